@@ -1,0 +1,314 @@
+// sharp_cpu.cpp: work decomposition, per-row set-up (n_i, beta, scaled q), split-KV merge and
+// run-time ISA dispatch of the CPU sharp-attention forward. Torch-free.
+#include "cpu/sharp_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "sharp_math.h"
+
+namespace sharpdraft {
+namespace cpu {
+namespace {
+
+// ---- ISA dispatch ------------------------------------------------------------------------
+struct Isa {
+  TileFn fn;
+  const char* name;
+};
+
+Isa select_isa() {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  // SHARPDRAFT_CPU_ISA=base|avx2 caps the choice (for testing the fallbacks).
+  const char* cap = std::getenv("SHARPDRAFT_CPU_ISA");
+  const int limit = !cap ? 2 : std::strcmp(cap, "base") == 0 ? 0 : std::strcmp(cap, "avx2") == 0 ? 1 : 2;
+  if (avx512 && limit >= 2) return {attend_tile_avx512, "avx512"};
+  if (avx2 && limit >= 1) return {attend_tile_avx2, "avx2"};
+  return {attend_tile_base, "base"};
+}
+
+const Isa& isa() {
+  static const Isa chosen = select_isa();
+  return chosen;
+}
+
+// ---- element access ----------------------------------------------------------------------
+inline int64_t elem_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+inline float load_elem(const void* base, int64_t idx, DType dt) {
+  if (dt == DType::kFloat32) return static_cast<const float*>(base)[idx];
+  const uint16_t h = static_cast<const uint16_t*>(base)[idx];
+  return dt == DType::kBFloat16 ? bf16_to_float(h) : fp16_to_float(h);
+}
+
+inline void store_elem(void* base, int64_t idx, DType dt, float x) {
+  if (dt == DType::kFloat32) {
+    static_cast<float*>(base)[idx] = x;
+  } else {
+    static_cast<uint16_t*>(base)[idx] = dt == DType::kBFloat16 ? float_to_bf16(x) : float_to_fp16(x);
+  }
+}
+
+// ---- one query row -----------------------------------------------------------------------
+struct RowInfo {
+  int64_t h, i;
+  KeyRange range;
+  const bool* mask_row;
+};
+
+inline RowInfo row_info(const SharpParams& p, int64_t b, int64_t hk, int64_t row, int64_t len_q,
+                        int64_t kv_len) {
+  const int64_t G = p.heads_q / p.heads_k;
+  RowInfo r;
+  r.i = row / G;
+  r.h = hk * G + row % G;
+  r.range = visible_range(r.i, len_q, kv_len, p.causal, p.window);
+  r.mask_row = p.mask ? p.mask + b * p.mask_batch_stride + r.h * p.mask_head_stride +
+                            r.i * p.mask_row_stride
+                      : nullptr;
+  return r;
+}
+
+// n_i as beta sees it (SPEC §2): the override if given, else the visible keys counted from
+// the mask actually applied, else the closed form.
+inline int64_t cardinality(const SharpParams& p, int64_t b, const RowInfo& r) {
+  if (p.n_visible) {
+    return p.n_visible[row_offset(p.cu_seqlens_q, b, r.h, r.i, p.nv_batch_stride,
+                                  p.nv_head_stride, p.nv_row_stride)];
+  }
+  if (!r.mask_row) return range_count(r.range);
+  int64_t n = 0;
+  for (int64_t j = r.range.lo; j < r.range.hi; ++j) n += r.mask_row[j];
+  return n;
+}
+
+// ---- work decomposition ------------------------------------------------------------------
+struct WorkItem {
+  int64_t b, hk, row0, rows, len_q, kv_len;
+  int64_t k_lo, k_hi;  // key split
+  int64_t slot;        // split-KV workspace slot (rows of kMaxTileRows), -1: write the output
+  int64_t cost;        // rough amount of work, for longest-first scheduling
+};
+
+struct Plan {
+  std::vector<WorkItem> items;
+  struct Merge {
+    int64_t b, hk, row0, rows, len_q, kv_len, slot0, splits;
+  };
+  std::vector<Merge> merges;
+  int64_t slots = 0;
+};
+
+Plan make_plan(const SharpParams& p, int num_threads) {
+  const int64_t G = p.heads_q / p.heads_k;
+  struct Tile {
+    int64_t b, hk, row0, rows, len_q, kv_len;
+  };
+  std::vector<Tile> tiles;
+  int64_t max_kv = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len_q = seqlen_q_of(p, b), kv_len = seqlen_k_of(p, b);
+    const int64_t rows = len_q * G;
+    if (rows == 0) continue;
+    max_kv = std::max(max_kv, kv_len);
+    const int64_t ntiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+    const int64_t per = (rows + ntiles - 1) / ntiles;
+    for (int64_t hk = 0; hk < p.heads_k; ++hk)
+      for (int64_t r0 = 0; r0 < rows; r0 += per)
+        tiles.push_back({b, hk, r0, std::min(per, rows - r0), len_q, kv_len});
+  }
+  // Split the keys when there are too few tiles to keep every thread busy (decode, drafter
+  // blocks); each split keeps at least 512 keys.
+  const int64_t target = 4 * std::max(num_threads, 1);
+  int64_t splits = 1;
+  if (!tiles.empty() && static_cast<int64_t>(tiles.size()) < target) {
+    splits = std::min<int64_t>((target + tiles.size() - 1) / tiles.size(), max_kv / 512);
+    splits = std::max<int64_t>(splits, 1);
+  }
+  Plan plan;
+  for (const Tile& t : tiles) {
+    const int64_t s_here = std::min<int64_t>(splits, std::max<int64_t>(1, t.kv_len / 512));
+    if (s_here == 1) {
+      plan.items.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, 0, t.kv_len, -1,
+                            t.rows * std::max<int64_t>(t.kv_len, 1)});
+      continue;
+    }
+    const int64_t chunk = ((t.kv_len + s_here - 1) / s_here + 63) / 64 * 64;
+    const int64_t slot0 = plan.slots;
+    int64_t n = 0;
+    for (int64_t k0 = 0; k0 < t.kv_len; k0 += chunk, ++n) {
+      const int64_t k1 = std::min(k0 + chunk, t.kv_len);
+      plan.items.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, k0, k1, slot0 + n,
+                            t.rows * (k1 - k0)});
+    }
+    plan.merges.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, slot0, n});
+    plan.slots += n;
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return plan;
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, work, row;
+  std::vector<int64_t> lo, hi;
+  std::vector<const bool*> mask_rows;
+  explicit Scratch(int64_t dp)
+      : q(kMaxTileRows * dp), acc(kMaxTileRows * dp), m(kMaxTileRows), l(kMaxTileRows),
+        work(tile_scratch_floats()), row(dp), lo(kMaxTileRows), hi(kMaxTileRows),
+        mask_rows(kMaxTileRows) {}
+};
+
+// Runs fn(index, scratch) for index in [0, n) on the caller's parallel-for with dynamic
+// scheduling: each worker owns one Scratch and takes the next index from a shared counter, so
+// uneven items balance out whatever partition the parallel-for chooses.
+template <class Fn>
+void run_dynamic(int64_t n, int num_threads, const ParallelFor& pf, int64_t dp, const Fn& fn) {
+  if (n == 0) return;
+  const int64_t workers = std::min<int64_t>(std::max(num_threads, 1), n);
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    Scratch sc(dp);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i, sc);
+  };
+  if (pf && workers > 1) {
+    pf(workers, worker);
+  } else {
+    worker(0, n);
+  }
+}
+
+void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_out, float* ws_lse) {
+  const int64_t D = p.head_dim, Dp = (D + 15) / 16 * 16;
+  const int64_t eb = elem_bytes(p.dtype);
+  TileTask t;
+  t.rows = static_cast<int>(w.rows);
+  t.head_dim = D;
+  t.dim_padded = Dp;
+  t.dtype = p.dtype;
+  t.k = static_cast<const char*>(p.k) +
+        row_offset(p.cu_seqlens_k, w.b, w.hk, 0, p.k_batch_stride, p.k_head_stride, p.k_row_stride) * eb;
+  t.v = static_cast<const char*>(p.v) +
+        row_offset(p.cu_seqlens_k, w.b, w.hk, 0, p.v_batch_stride, p.v_head_stride, p.v_row_stride) * eb;
+  t.k_row_stride = p.k_row_stride;
+  t.v_row_stride = p.v_row_stride;
+  t.k_begin = w.k_hi;
+  t.k_end = w.k_lo;
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const RowInfo ri = row_info(p, w.b, w.hk, w.row0 + r, w.len_q, w.kv_len);
+    const double beta = query_scale(cardinality(p, w.b, ri), p.sp, ri.h);
+    const float c = exponent_factor(beta, p.softmax_scale);
+    const int64_t qo = row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.q_batch_stride,
+                                  p.q_head_stride, p.q_row_stride);
+    float* qr = sc.q.data() + r * Dp;
+    for (int64_t d = 0; d < D; ++d) qr[d] = load_elem(p.q, qo + d, p.dtype) * c;
+    for (int64_t d = D; d < Dp; ++d) qr[d] = 0.f;
+    sc.lo[r] = std::max(ri.range.lo, w.k_lo);
+    sc.hi[r] = std::min(ri.range.hi, w.k_hi);
+    sc.mask_rows[r] = ri.mask_row;
+    if (sc.hi[r] > sc.lo[r]) {
+      t.k_begin = std::min(t.k_begin, sc.lo[r]);
+      t.k_end = std::max(t.k_end, sc.hi[r]);
+    }
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + w.rows * Dp, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + w.rows, -__builtin_inff());
+  std::fill(sc.l.begin(), sc.l.begin() + w.rows, 0.f);
+  t.q = sc.q.data();
+  t.lo = sc.lo.data();
+  t.hi = sc.hi.data();
+  t.mask_rows = p.mask ? sc.mask_rows.data() : nullptr;
+  t.acc = sc.acc.data();
+  t.m = sc.m.data();
+  t.l = sc.l.data();
+  t.scratch = sc.work.data();
+  if (t.k_end > t.k_begin) isa().fn(t);
+
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const float inv = finalize_inv_sum(sc.l[r]);
+    const float lse = finalize_lse(sc.m[r], sc.l[r]);
+    const float* a = sc.acc.data() + r * Dp;
+    if (w.slot >= 0) {  // split-KV partial: normalised output and its lse
+      float* o = ws_out + (w.slot * kMaxTileRows + r) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+      ws_lse[w.slot * kMaxTileRows + r] = lse;
+      continue;
+    }
+    const RowInfo ri = row_info(p, w.b, w.hk, w.row0 + r, w.len_q, w.kv_len);
+    const int64_t oo = row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.o_batch_stride,
+                                  p.o_head_stride, p.o_row_stride);
+    for (int64_t d = 0; d < D; ++d) store_elem(p.out, oo + d, p.dtype, a[d] * inv);
+    if (p.lse) {
+      p.lse[row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.lse_batch_stride, p.lse_head_stride,
+                       p.lse_row_stride)] = lse;
+    }
+  }
+}
+
+void run_merge(const SharpParams& p, const Plan::Merge& mg, const float* ws_out,
+               const float* ws_lse, float* row) {
+  const int64_t D = p.head_dim;
+  for (int64_t r = 0; r < mg.rows; ++r) {
+    float lse = -__builtin_inff();
+    for (int64_t s = 0; s < mg.splits; ++s) lse = lse_merge(lse, ws_lse[(mg.slot0 + s) * kMaxTileRows + r]);
+    std::fill(row, row + D, 0.f);
+    for (int64_t s = 0; s < mg.splits; ++s) {
+      const int64_t idx = (mg.slot0 + s) * kMaxTileRows + r;
+      const float wgt = lse_weight(ws_lse[idx], lse);
+      if (wgt == 0.f) continue;
+      const float* o = ws_out + idx * D;
+      for (int64_t d = 0; d < D; ++d) row[d] += wgt * o[d];
+    }
+    const RowInfo ri = row_info(p, mg.b, mg.hk, mg.row0 + r, mg.len_q, mg.kv_len);
+    const int64_t oo = row_offset(p.cu_seqlens_q, mg.b, ri.h, ri.i, p.o_batch_stride,
+                                  p.o_head_stride, p.o_row_stride);
+    for (int64_t d = 0; d < D; ++d) store_elem(p.out, oo + d, p.dtype, row[d]);
+    if (p.lse) {
+      p.lse[row_offset(p.cu_seqlens_q, mg.b, ri.h, ri.i, p.lse_batch_stride, p.lse_head_stride,
+                       p.lse_row_stride)] = lse;
+    }
+  }
+}
+
+}  // namespace
+
+const char* isa_name() { return isa().name; }
+
+void sharp_attention_forward(const SharpParams& p, int num_threads, const ParallelFor& pf) {
+  const Plan plan = make_plan(p, num_threads);
+  const int64_t Dp = (p.head_dim + 15) / 16 * 16;
+  std::vector<float> ws_out(plan.slots * kMaxTileRows * p.head_dim);
+  std::vector<float> ws_lse(plan.slots * kMaxTileRows);
+  run_dynamic(static_cast<int64_t>(plan.items.size()), num_threads, pf, Dp,
+              [&](int64_t i, Scratch& sc) {
+                run_item(p, plan.items[i], sc, ws_out.data(), ws_lse.data());
+              });
+  run_dynamic(static_cast<int64_t>(plan.merges.size()), num_threads, pf, Dp,
+              [&](int64_t i, Scratch& sc) {
+                run_merge(p, plan.merges[i], ws_out.data(), ws_lse.data(), sc.row.data());
+              });
+}
+
+void visible_counts(const SharpParams& p, int64_t* counts) {
+  const int64_t G = p.heads_q / p.heads_k;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t len_q = seqlen_q_of(p, b), kv_len = seqlen_k_of(p, b);
+    for (int64_t hk = 0; hk < p.heads_k; ++hk) {
+      for (int64_t row = 0; row < len_q * G; ++row) {
+        const RowInfo ri = row_info(p, b, hk, row, len_q, kv_len);
+        counts[row_offset(p.cu_seqlens_q, b, ri.h, ri.i, p.lse_batch_stride, p.lse_head_stride,
+                          p.lse_row_stride)] = cardinality(p, b, ri);
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace sharpdraft

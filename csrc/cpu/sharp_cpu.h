@@ -1,0 +1,70 @@
+// sharp_cpu.h: the torch-free CPU sharp-attention forward (SPEC.md §2-§3).
+//
+// The driver (sharp_cpu.cpp) splits a call into independent work items, each a tile of query
+// rows of one (batch, kv head) against a range of keys, and runs them through a caller-given
+// parallel-for. The per-tile compute lives in ISA-specific units (tile_<isa>.cpp) chosen at run
+// time, so shipped builds never need -march=native.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "sharp_params.h"
+
+namespace sharpdraft {
+namespace cpu {
+
+// Runs body(begin, end) over a partition of [0, n); may call body concurrently.
+using ParallelFor =
+    std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
+
+// out = sharp_attention(params); writes params.out and, if non-null, params.lse.
+// parallel_for may be empty (serial); num_threads sizes the split-KV decision.
+void sharp_attention_forward(const SharpParams& params, int num_threads,
+                             const ParallelFor& parallel_for);
+
+// The cardinality each row's beta uses (n_visible when given, else the count of visible keys),
+// written like lse: dense (B, Hq, Lq), varlen (Hq, total_q) via params' lse strides.
+void visible_counts(const SharpParams& params, int64_t* counts);
+
+// The instruction set the tile kernel was dispatched to on this machine: "avx512", "avx2", "base".
+const char* isa_name();
+
+// --- internal: the ISA-specific tile kernel -----------------------------------------------
+
+constexpr int kMaxTileRows = 64;  // query rows per work item
+constexpr int kMaxHeadDim = 256;
+
+// One tile: `rows` query rows of one (batch, kv head) attending to keys [k_begin, k_end).
+struct TileTask {
+  int rows = 0;
+  int64_t head_dim = 0;
+  int64_t dim_padded = 0;       // head_dim rounded up to a multiple of 16; q/acc row stride
+  const float* q = nullptr;     // (rows, dim_padded), already multiplied by c_i, zero padded
+  const int64_t* lo = nullptr;  // (rows,) first visible key of each row (within the split)
+  const int64_t* hi = nullptr;  // (rows,) one past the last visible key
+  const bool* const* mask_rows = nullptr;  // (rows,) mask row pointers (key index j), or null
+  DType dtype = DType::kFloat32;
+  const void* k = nullptr;      // key row 0 of this (batch, kv head)
+  int64_t k_row_stride = 0;
+  const void* v = nullptr;
+  int64_t v_row_stride = 0;
+  int64_t k_begin = 0, k_end = 0;  // union of the rows' ranges
+  float* acc = nullptr;         // (rows, dim_padded) unnormalised output, zero on entry
+  float* m = nullptr;           // (rows,) running max, base 2; -inf on entry
+  float* l = nullptr;           // (rows,) running sum; 0 on entry
+  float* scratch = nullptr;     // tile_scratch_floats() floats
+};
+
+// Floats of scratch a TileTask needs (packed K^T block, V block, score block).
+constexpr int64_t tile_scratch_floats() {
+  return 2 * int64_t(kMaxHeadDim) * 64 + int64_t(kMaxTileRows) * 64;
+}
+
+using TileFn = void (*)(const TileTask&);
+void attend_tile_base(const TileTask&);
+void attend_tile_avx2(const TileTask&);
+void attend_tile_avx512(const TileTask&);
+
+}  // namespace cpu
+}  // namespace sharpdraft

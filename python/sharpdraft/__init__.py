@@ -1,0 +1,1 @@
+"""sharpdraft: speculative decoding with drafters whose attention runs on sharpdraft_ext."""

@@ -1,0 +1,63 @@
+"""Builds sharpdraft: the C++ CPU extension always, the CUDA extension when possible.
+
+Install with `pip install --no-build-isolation .` so the extension is compiled against the torch
+already installed (build isolation would fetch a different torch and break the ABI).
+
+SHARPDRAFT_CUDA=auto (default) builds `sharpdraft_ext._cuda` when torch has CUDA and nvcc is
+found; 1 requires it (fails with a message otherwise); 0 skips it. TORCH_CUDA_ARCH_LIST defaults
+to "8.0;9.0a"; MAX_JOBS bounds the parallel compile jobs.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-Wall", "-Wno-unknown-pragmas"]
+
+
+def _cuda_wanted():
+    mode = os.environ.get("SHARPDRAFT_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"SHARPDRAFT_CUDA must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return False
+    import torch
+
+    have_nvcc = shutil.which("nvcc") is not None or os.path.exists(
+        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))
+    reasons = []
+    if torch.version.cuda is None:
+        reasons.append(f"the installed torch ({torch.__version__}) has no CUDA support")
+    if not have_nvcc:
+        reasons.append("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    if reasons and mode == "1":
+        raise SystemExit("SHARPDRAFT_CUDA=1 but the CUDA extension cannot be built: " + "; ".join(reasons))
+    return not reasons
+
+
+def _extensions():
+    cpu_sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    exts = [CppExtension("sharpdraft_ext._C", cpu_sources, include_dirs=[os.path.join(ROOT, "csrc")],
+                         extra_compile_args={"cxx": CXX_FLAGS})]
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    if cuda_sources and _cuda_wanted():
+        from torch.utils.cpp_extension import CUDAExtension
+
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+        exts.append(CUDAExtension(
+            "sharpdraft_ext._cuda", cuda_sources, include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={
+                "cxx": CXX_FLAGS,
+                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
+                         "-Xptxas=-warn-spills"],
+            }))
+    return exts
+
+
+setup(
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
