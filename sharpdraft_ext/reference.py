@@ -200,6 +200,25 @@ def visible_counts_ref(
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
+def _weighted_values(p: torch.Tensor, v: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """sum over *visible* j of p_ij * v_j: (B, H, Lq, Lk) x (B, H, Lk, D) -> (B, H, Lq, D).
+
+    A plain p @ v would let a NaN/inf in a masked key's value poison every row (0 * NaN = NaN).
+    Non-finite values are rare (only NaN-propagation tests), so they take a per-key slow path
+    that adds p_ij * v_j exactly where j is visible to row i.
+    """
+    finite = torch.isfinite(v)
+    if bool(finite.all()):
+        return torch.matmul(p, v)
+    out = torch.matmul(p, torch.where(finite, v, torch.zeros((), dtype=v.dtype)))
+    bad_keys = (~finite).any(dim=-1).flatten(0, 1).any(dim=0)  # (Lk,)
+    for j in bad_keys.nonzero().flatten().tolist():
+        vj = torch.where(finite[:, :, j], torch.zeros((), dtype=v.dtype), v[:, :, j])  # (B,H,D)
+        term = p[..., j:j + 1] * vj.unsqueeze(2)  # (B, H, Lq, D)
+        out = out + torch.where(vis[..., j:j + 1], term, torch.zeros((), dtype=v.dtype))
+    return out
+
+
 def sharp_attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,7 +288,7 @@ def sharp_attention_ref(
     if Lk > 0:
         p = torch.softmax(s, dim=-1)
         p = p.masked_fill(empty, 0.0)  # all -inf rows give NaN in softmax
-        out = torch.matmul(p, vc)
+        out = _weighted_values(p, vc, vis)
     else:
         out = torch.zeros(B, Hq, Lq, D, dtype=cdt, device=device)
     out = out.to(cdt)

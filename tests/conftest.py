@@ -235,3 +235,7 @@ def require_ext():
         pytest.fail(f"import sharpdraft_ext failed ({type(err).__name__}: {err}); build it with "
                     f"`pip install --no-build-isolation -e .`", pytrace=False)
     return mod
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slower tests (torch.compile); still part of the suite")

@@ -422,3 +422,14 @@ def test_calibration_inverts_the_model():
     for delta in (3.0, 5.0, 7.5):
         m = _topk_mass(n_ref, k, delta, mode="none")
         assert math.log((n_ref - k) / k) - math.log(1.0 / m - 1.0) == pytest.approx(delta, rel=1e-9)
+
+
+def test_nan_value_of_masked_key_does_not_poison_rows():
+    g = make_gen(23)
+    q, k, v = randn((1, 1, 6, 4), gen=g), randn((1, 1, 6, 4), gen=g), randn((1, 1, 6, 4), gen=g)
+    v[0, 0, 3, 1] = float("nan")
+    out = ref.sharp_attention_ref(q, k, v, causal=True, n_ref=2)
+    want, _, _ = naive_attention(q, k, v, causal=True, n_ref=2)  # NaN where key 3 is seen
+    assert torch.isfinite(out[0, 0, :3]).all()
+    assert torch.isnan(out[0, 0, 3:, 1]).all() and torch.isfinite(out[0, 0, 3:, [0, 2, 3]]).all()
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-13, equal_nan=True)

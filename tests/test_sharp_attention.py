@@ -384,7 +384,7 @@ def dense_cases(draw):
                 return_lse=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dense_cases())
 def test_random_grid(c):
     g = make_gen(c["seed"])
@@ -413,7 +413,7 @@ def varlen_cases(draw):
                 sliced=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(varlen_cases())
 def test_random_varlen(c):
     g = make_gen(c["seed"])
