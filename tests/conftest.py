@@ -238,4 +238,5 @@ def require_ext():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: slower tests (torch.compile); still part of the suite")
+    config.addinivalue_line("markers",
+                            "slow: slower tests (torch.compile); still part of the suite")

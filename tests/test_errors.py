@@ -37,7 +37,8 @@ def packed():
 
 def test_valid_calls_succeed(dense, packed):
     q, k, v = dense
-    out = ext.sharp_attention(q, k, v, causal=True, window=3, kv_lens=torch.tensor([9, 4], dtype=torch.int32),
+    kl = torch.tensor([9, 4], dtype=torch.int32)
+    out = ext.sharp_attention(q, k, v, causal=True, window=3, kv_lens=kl,
                               attn_mask=torch.ones(LQ, LK, dtype=torch.bool), mode="exact_topk",
                               n_ref=8, topk=7, slope=torch.full((HQ,), 0.3), beta_min=1.0,
                               beta_max=1.0, n_visible=torch.tensor(5), scale=0.1)

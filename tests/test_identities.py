@@ -49,6 +49,10 @@ SHAPES = [  # B, Hq, Hk, Lq, Lk, D, causal, mask
 ]
 
 
+def _shape_id(s):
+    return "x".join(map(str, s[:6])) + f"-{s[6]}-{s[7]}"
+
+
 def _mask(kind, B, Hq, Lq, Lk, g):
     if kind == "bool":
         m = random_bool_mask((B, 1, Lq, Lk), 0.6, g)
@@ -59,7 +63,7 @@ def _mask(kind, B, Hq, Lq, Lk, g):
     return None
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + f"-{s[6]}-{s[7]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_mode_none_equals_sdpa(shape):
     B, Hq, Hk, Lq, Lk, D, causal, mk = shape
     g = make_gen(Lq * 3 + Lk)
@@ -73,7 +77,7 @@ def test_mode_none_equals_sdpa(shape):
     torch.testing.assert_close(out, sdpa(q, k, v, causal=causal, attn_mask=m, scale=0.3), **TIGHT)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + f"-{s[6]}-{s[7]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("mode_kw", [dict(mode="fixed_slope", n_ref=8, slope=0.3),
                                      dict(mode="fixed_slope", n_ref=8, slope="per_head"),
                                      dict(mode="exact_topk", n_ref=20, topk=4, contrast=2.5)],
@@ -186,8 +190,8 @@ def test_nan_value_of_unseen_key_does_not_leak(kind):
     out = ext.sharp_attention(q, k, v, mode="none", **kw)
     want = ref.sharp_attention_ref(q, k, v, mode="none", **kw)
     nan_rows = torch.isnan(out[0, 0, :, 0]).nonzero().flatten().tolist()
-    assert nan_rows == torch.isnan(want[0, 0, :, 0]).nonzero().flatten().tolist(), \
-        f"rows with NaN: kernel {nan_rows}, reference {torch.isnan(want[0, 0, :, 0]).nonzero().flatten().tolist()}"
+    want_rows = torch.isnan(want[0, 0, :, 0]).nonzero().flatten().tolist()
+    assert nan_rows == want_rows, f"rows with NaN: kernel {nan_rows}, reference {want_rows}"
 
 
 @pytest.mark.slow

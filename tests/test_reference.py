@@ -280,7 +280,8 @@ CASES = [
 def test_against_scalar_loops(case, Lq, Lk):
     g = make_gen(100 * Lq + Lk)
     B, Hq, Hk, D = 2, 4, 2, 3
-    q, k, v = randn((B, Hq, Lq, D), gen=g), randn((B, Hk, Lk, D), gen=g), randn((B, Hk, Lk, D), gen=g)
+    q = randn((B, Hq, Lq, D), gen=g)
+    k, v = randn((B, Hk, Lk, D), gen=g), randn((B, Hk, Lk, D), gen=g)
     kw = dict(case)
     if "kv_lens" in kw:
         kw["kv_lens"] = torch.tensor([min(x, Lk) for x in kw["kv_lens"]], dtype=torch.int32)
@@ -322,7 +323,8 @@ def test_gqa_head_mapping():
 
 def test_low_precision_reference_runs_in_T():
     g = make_gen(11)
-    q, k, v = randn((1, 2, 9, 32), gen=g), randn((1, 2, 40, 32), gen=g), randn((1, 2, 40, 32), gen=g)
+    q = randn((1, 2, 9, 32), gen=g)
+    k, v = randn((1, 2, 40, 32), gen=g), randn((1, 2, 40, 32), gen=g)
     o64 = ref.sharp_attention_ref(q, k, v, causal=True, n_ref=8)
     for dt, tol in ((torch.float16, 5e-3), (torch.bfloat16, 4e-2)):
         oT, lT = ref.sharp_attention_ref(q.to(dt), k.to(dt), v.to(dt), causal=True, n_ref=8,
