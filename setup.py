@@ -15,7 +15,21 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=fast", "-Wall", "-Wno-unknown-pragmas"]
+
+
+def _cxx_std():
+    """C++17, or C++20 when the installed torch's headers demand it (torch >= 2.10)."""
+    from torch.utils.cpp_extension import include_paths
+
+    aten = os.path.join(include_paths()[0], "ATen", "ATen.h")
+    try:
+        with open(aten) as f:
+            return "-std=c++20" if "C++20" in f.read() else "-std=c++17"
+    except OSError:
+        return "-std=c++17"
+
+
+CXX_FLAGS = ["-O3", _cxx_std(), "-ffp-contract=fast", "-Wall", "-Wno-unknown-pragmas"]
 
 
 def _cuda_wanted():

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# On a fresh GPU machine: build the extensions (CPU + CUDA), run tests/test_cuda.py, run the
+# CUDA benchmark, and write everything under $OUT (default build/gpu_check):
+#   build.log, test_cuda.log, bench.log, results_cuda.md (+ .json), nvidia-smi.txt
+# Env: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default nproc),
+# BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds).
+# Pure-Python test dependencies missing on the machine may be supplied in build/gpu_pydeps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/build/gpu_check}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 SHARPDRAFT_CUDA=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+if ! "$PY" -c "import pytest" 2>/dev/null && [[ -d build/gpu_pydeps ]]; then
+  export PYTHONPATH="$PWD/build/gpu_pydeps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+status=0
+
+{ nvidia-smi; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; nvcc --version | tail -2; } \
+  >"$OUT/nvidia-smi.txt" 2>&1
+cat "$OUT/nvidia-smi.txt"
+
+echo "== build"
+start=$(date +%s)
+if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  tail -60 "$OUT/build.log"
+  echo "gpu_check: build failed (see build.log)"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+grep -iE "spill|warning" "$OUT/build.log" | grep -v "0 bytes spill" | head -20
+
+echo "== smoke"
+"$PY" - <<'PYEOF' 2>&1 | tee "$OUT/smoke.log"
+import torch, sharpdraft_ext as ext
+q = torch.randn(1, 2, 5, 64, device="cuda", dtype=torch.bfloat16)
+out, lse = ext.sharp_attention(q, q, q, causal=True, return_lse=True)
+torch.cuda.synchronize()
+print("smoke ok", out.float().abs().sum().item(), lse.tolist())
+PYEOF
+
+echo "== test_cuda"
+timeout "${TEST_TIMEOUT:-200}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --maxfail=40 \
+  2>&1 | tee "$OUT/test_cuda.log" | tail -60
+[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+
+echo "== benchmark"
+# shellcheck disable=SC2086
+timeout "${BENCH_TIMEOUT:-170}" "$PY" benchmarks/bench_cuda.py --out "$OUT/results_cuda.md" ${BENCH_ARGS:-} \
+  >"$OUT/bench.log" 2>&1
+[[ $? -eq 0 ]] || { status=1; tail -30 "$OUT/bench.log"; }
+[[ -f "$OUT/results_cuda.md" ]] && cat "$OUT/results_cuda.md"
+echo "gpu_check: done (status $status)"
+exit $status
