@@ -13,8 +13,10 @@
 
 #if defined(__CUDACC__)
 #define SHARP_HD static __host__ __device__ __forceinline__
+#define SHARP_HD_MEMBER __host__ __device__ __forceinline__
 #else
 #define SHARP_HD static inline
+#define SHARP_HD_MEMBER inline
 #endif
 
 namespace sharpdraft {
@@ -97,17 +99,28 @@ SHARP_HD float exponent_factor(double beta, float softmax_scale) {
 // ---------------------------------------------------------------------------------------
 // Online softmax, base 2. A row keeps its running max m (in base-2 logit units) and its
 // running sum l of exp2(s - m). Before adding a block whose max is block_max:
-//   alpha = online_rescale(m, block_max)   ->  l *= alpha, acc *= alpha, then
+//   alpha = online_rescale(m, block_max, exp2)   ->  l *= alpha, acc *= alpha, then
 //   p_j = exp2(s_j - safe_max(m)) and l += sum_j p_j.
 // A row that has seen only masked keys keeps m = -inf and l = 0.
-SHARP_HD float online_rescale(float& m, float block_max) {
-  const float m_new = m > block_max ? m : block_max;
-  const float alpha = (m == -__builtin_inff()) ? 0.f : exp2f(m - m_new);
+// T is float, or a GCC vector of floats (the CPU kernel runs one lane per query row); `exp2`
+// is the caller's base-2 exponential for T (exp2f on CUDA, a polynomial on the CPU).
+template <class T, class Exp2>
+SHARP_HD T online_rescale(T& m, T block_max, Exp2 exp2) {
+  const T m_new = m > block_max ? m : block_max;
+  const T alpha = m == -__builtin_inff() ? T{} : exp2(m - m_new);
   m = m_new;
   return alpha;
 }
+struct Exp2f {
+  SHARP_HD_MEMBER float operator()(float x) const { return exp2f(x); }
+};
+// The scalar step with the C library's exp2f.
+SHARP_HD float online_rescale(float& m, float block_max) {
+  return online_rescale(m, block_max, Exp2f{});
+}
 // The max to subtract: 0 for a row with no visible key yet, so exp2(-inf - 0) = 0, not NaN.
-SHARP_HD float safe_max(float m) { return m == -__builtin_inff() ? 0.f : m; }
+template <class T>
+SHARP_HD T safe_max(T m) { return m == -__builtin_inff() ? T{} : m; }
 
 // Final row values: out = acc * inv_sum, lse in natural log; empty rows give 0 and -inf.
 SHARP_HD float finalize_inv_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }

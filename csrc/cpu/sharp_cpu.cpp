@@ -157,11 +157,11 @@ Plan make_plan(const SharpParams& p, int num_threads) {
 }
 
 struct Scratch {
-  std::vector<float> q, acc, m, l, work, row;
+  std::vector<float> q, q_rows, acc, m, l, work, row;
   std::vector<int64_t> lo, hi;
   std::vector<const bool*> mask_rows;
   explicit Scratch(int64_t dp)
-      : q(kMaxTileRows * dp), acc(kMaxTileRows * dp), m(kMaxTileRows), l(kMaxTileRows),
+      : q(kMaxTileRows * dp), q_rows(kMaxTileRows * dp), acc(kMaxTileRows * dp), m(kMaxTileRows), l(kMaxTileRows),
         work(tile_scratch_floats()), row(dp), lo(kMaxTileRows), hi(kMaxTileRows),
         mask_rows(kMaxTileRows) {}
 };
@@ -187,9 +187,11 @@ void run_dynamic(int64_t n, int num_threads, const ParallelFor& pf, int64_t dp, 
 
 void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_out, float* ws_lse) {
   const int64_t D = p.head_dim, Dp = (D + 15) / 16 * 16;
+  const int64_t Rp = (w.rows + 15) / 16 * 16;
   const int64_t eb = elem_bytes(p.dtype);
   TileTask t;
   t.rows = static_cast<int>(w.rows);
+  t.rows_padded = static_cast<int>(Rp);
   t.head_dim = D;
   t.dim_padded = Dp;
   t.dtype = p.dtype;
@@ -201,15 +203,22 @@ void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_ou
   t.v_row_stride = p.v_row_stride;
   t.k_begin = w.k_hi;
   t.k_end = w.k_lo;
-  for (int64_t r = 0; r < w.rows; ++r) {
+  std::fill(sc.q.begin(), sc.q.begin() + D * Rp, 0.f);
+  for (int64_t r = 0; r < Rp; ++r) {
+    sc.lo[r] = sc.hi[r] = 0;
+    sc.mask_rows[r] = nullptr;
+    if (r >= w.rows) continue;
     const RowInfo ri = row_info(p, w.b, w.hk, w.row0 + r, w.len_q, w.kv_len);
     const double beta = query_scale(cardinality(p, w.b, ri), p.sp, ri.h);
     const float c = exponent_factor(beta, p.softmax_scale);
     const int64_t qo = row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.q_batch_stride,
                                   p.q_head_stride, p.q_row_stride);
-    float* qr = sc.q.data() + r * Dp;
-    for (int64_t d = 0; d < D; ++d) qr[d] = load_elem(p.q, qo + d, p.dtype) * c;
-    for (int64_t d = D; d < Dp; ++d) qr[d] = 0.f;
+    float* qr = sc.q_rows.data() + r * Dp;
+    for (int64_t d = 0; d < D; ++d) {
+      qr[d] = load_elem(p.q, qo + d, p.dtype) * c;
+      sc.q[d * Rp + r] = qr[d];
+    }
+    std::fill(qr + D, qr + Dp, 0.f);
     sc.lo[r] = std::max(ri.range.lo, w.k_lo);
     sc.hi[r] = std::min(ri.range.hi, w.k_hi);
     sc.mask_rows[r] = ri.mask_row;
@@ -219,9 +228,10 @@ void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_ou
     }
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + w.rows * Dp, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + w.rows, -__builtin_inff());
-  std::fill(sc.l.begin(), sc.l.begin() + w.rows, 0.f);
-  t.q = sc.q.data();
+  std::fill(sc.m.begin(), sc.m.begin() + Rp, -__builtin_inff());
+  std::fill(sc.l.begin(), sc.l.begin() + Rp, 0.f);
+  t.qt = sc.q.data();
+  t.q_rows = sc.q_rows.data();
   t.lo = sc.lo.data();
   t.hi = sc.hi.data();
   t.mask_rows = p.mask ? sc.mask_rows.data() : nullptr;

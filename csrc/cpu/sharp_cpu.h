@@ -36,14 +36,17 @@ constexpr int kMaxTileRows = 64;  // query rows per work item
 constexpr int kMaxHeadDim = 256;
 
 // One tile: `rows` query rows of one (batch, kv head) attending to keys [k_begin, k_end).
+// Per-row arrays have rows_padded entries; padding rows have lo = hi = 0 (see nothing).
 struct TileTask {
   int rows = 0;
+  int rows_padded = 0;          // rows rounded up to a multiple of 16
   int64_t head_dim = 0;
-  int64_t dim_padded = 0;       // head_dim rounded up to a multiple of 16; q/acc row stride
-  const float* q = nullptr;     // (rows, dim_padded), already multiplied by c_i, zero padded
-  const int64_t* lo = nullptr;  // (rows,) first visible key of each row (within the split)
-  const int64_t* hi = nullptr;  // (rows,) one past the last visible key
-  const bool* const* mask_rows = nullptr;  // (rows,) mask row pointers (key index j), or null
+  int64_t dim_padded = 0;       // head_dim rounded up to a multiple of 16; acc row stride
+  const float* qt = nullptr;    // (head_dim, rows_padded): q transposed, times c_i, zero padded
+  const float* q_rows = nullptr;  // (rows, dim_padded): the same q, row-major, zero padded
+  const int64_t* lo = nullptr;  // first visible key of each row (within the split)
+  const int64_t* hi = nullptr;  // one past the last visible key
+  const bool* const* mask_rows = nullptr;  // mask row pointers (key index j), or null: no mask
   DType dtype = DType::kFloat32;
   const void* k = nullptr;      // key row 0 of this (batch, kv head)
   int64_t k_row_stride = 0;
@@ -51,14 +54,17 @@ struct TileTask {
   int64_t v_row_stride = 0;
   int64_t k_begin = 0, k_end = 0;  // union of the rows' ranges
   float* acc = nullptr;         // (rows, dim_padded) unnormalised output, zero on entry
-  float* m = nullptr;           // (rows,) running max, base 2; -inf on entry
-  float* l = nullptr;           // (rows,) running sum; 0 on entry
+  float* m = nullptr;           // running max, base 2; -inf on entry
+  float* l = nullptr;           // running sum; 0 on entry
   float* scratch = nullptr;     // tile_scratch_floats() floats
 };
 
-// Floats of scratch a TileTask needs (packed K^T block, V block, score block).
+constexpr int kKeyBlock = 64;  // keys per block of the tile kernel
+
+// Floats of scratch a TileTask needs: a K block and a V block converted to float32, and the
+// block's scores (keys x rows).
 constexpr int64_t tile_scratch_floats() {
-  return 2 * int64_t(kMaxHeadDim) * 64 + int64_t(kMaxTileRows) * 64;
+  return 2 * int64_t(kKeyBlock) * kMaxHeadDim + int64_t(kKeyBlock) * kMaxTileRows;
 }
 
 using TileFn = void (*)(const TileTask&);

@@ -3,23 +3,27 @@
 // Included once by each ISA unit (tile_base.cpp, tile_avx2.cpp, tile_avx512.cpp) after it
 // defines SHARP_CPU_ISA (a namespace name), SHARP_VEC_WIDTH (floats per SIMD register),
 // SHARP_HAS_F16C (0/1) and SHARP_CPU_TARGET (a _Pragma("GCC target(...)") or nothing). The
-// target pragma is applied after every include, so only this file's code (internal linkage or
-// inside the ISA namespace) is built for that instruction set; the unit pops it after defining
-// its entry point. No std containers here: only raw buffers.
+// target pragma is applied after the standard headers, so only internal-linkage code and code
+// inside the ISA namespace is built for that instruction set (nothing another unit could share);
+// the unit pops it after defining its entry point. No std containers here: only raw buffers.
 //
-// Algorithm (one tile of rows, one key block of BK keys at a time, SPEC §3):
-//   pack K^T and V of the block to float32, S = Q K^T (Q already carries c_i = beta_i * scale *
-//   log2 e, so S is in base-2 units), mask only on blocks some row does not fully see, online
-//   softmax in base 2, acc += P V. Register-blocked micro-kernels: 4 rows x 4 vectors.
+// Algorithm (SPEC §3), one block of kKeyBlock keys at a time:
+//   S^T = K Q^T with the SIMD lanes running over query rows (Q^T is packed once per tile and
+//   already carries c_i = beta_i * scale * log2 e, so scores are base-2 logits); K is read in
+//   place (float32) or converted once per block (16-bit); masking only on blocks some row does
+//   not fully see; online softmax in base 2, one lane per row; acc += P V with the lanes over
+//   the head dim. Register-blocked micro-kernels sized per instruction set.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "cpu/sharp_cpu.h"
-#include "sharp_math.h"
 
 #pragma GCC push_options
 SHARP_CPU_TARGET
+// After the target pragma: its static inline (internal-linkage) maths is built for this ISA.
+#include "sharp_math.h"
 
 namespace sharpdraft {
 namespace cpu {
@@ -27,12 +31,19 @@ namespace SHARP_CPU_ISA {
 namespace {
 
 constexpr int VW = SHARP_VEC_WIDTH;  // floats per vector
-constexpr int NVK = 4;               // vectors per key block
-constexpr int BK = NVK * VW;         // keys per block
-constexpr int MR = 4;                // rows per micro-kernel
+constexpr int BK = kKeyBlock;
+// Micro-kernel shapes: accumulators plus operands must fit the register file (32 vector
+// registers with AVX-512, 16 below; AVX-512 also broadcasts straight from memory).
+constexpr bool kWide = VW >= 16;
+constexpr int QK_KEYS = 6;               // keys per QK micro-kernel
+constexpr int QK_RV = kWide ? 4 : 2;     // row vectors per QK micro-kernel
+constexpr int PV_ROWS = kWide ? 6 : 3;   // rows per PV micro-kernel
+constexpr int PV_DV = kWide ? 4 : 3;     // head-dim vectors per PV micro-kernel
+// Tiles of at most this many rows (decode) compute scores with lanes over the head dim: with
+// lanes over rows most lanes would idle.
+constexpr int kDotRows = 2;
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
-static_assert(BK <= 64, "scratch is sized for blocks of at most 64 keys");
 
 inline vf load(const float* p) {
   vf x;
@@ -40,45 +51,36 @@ inline vf load(const float* p) {
   return x;
 }
 inline void store(float* p, vf x) { memcpy(p, &x, sizeof x); }
-inline vf splat(float s) { return vf{} + s; }
+inline vf splat(float s) { return s - vf{}; }  // x - 0 folds to x (x + 0 would not)
 
 // 2^x with relative error below 1e-8 for x >= -126; exactly 0 below (so masked scores of -inf
 // give weight 0); NaN stays NaN. Degree-7 Taylor series of 2^f on f in [-1/2, 1/2].
-inline vf exp2v(vf x) {
-  const vf lo = splat(-126.f), hi = splat(127.f);
-  vf xc = x > hi ? hi : x;
-  xc = xc < lo ? lo : xc;
-  const vf y = xc + 0.5f;
-  vi ti = __builtin_convertvector(y, vi);  // truncates toward zero
-  ti += (__builtin_convertvector(ti, vf) > y);  // comparison is -1 where true: floor(y)
-  const vf f = xc - __builtin_convertvector(ti, vf);
-  vf p = splat(1.5252733804059841e-05f);  // ln2^7 / 7!
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910071e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
-  vi bits = (ti + 127) << 23;
-  vf scale;
-  memcpy(&scale, &bits, sizeof scale);
-  const vf r = p * scale;
-  return x < lo ? vf{} : r;
-}
+struct Exp2v {
+  vf operator()(vf x) const {
+    const vf lo = splat(-126.f), hi = splat(127.f);
+    vf xc = x > hi ? hi : x;
+    xc = xc < lo ? lo : xc;
+    const vf y = xc + 0.5f;
+    vi ti = __builtin_convertvector(y, vi);       // truncates toward zero
+    ti += (__builtin_convertvector(ti, vf) > y);  // comparison is -1 where true: floor(y)
+    const vf f = xc - __builtin_convertvector(ti, vf);
+    vf p = splat(1.5252733804059841e-05f);  // ln2^7 / 7!
+    p = p * f + 1.5403530393381606e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.6181291076284772e-03f;
+    p = p * f + 5.5504108664821580e-02f;
+    p = p * f + 2.4022650695910071e-01f;
+    p = p * f + 6.9314718055994531e-01f;
+    p = p * f + 1.0f;
+    const vi bits = (ti + 127) << 23;
+    vf scale;
+    memcpy(&scale, &bits, sizeof scale);
+    const vf r = p * scale;
+    return x < lo ? vf{} : r;
+  }
+};
 
-inline float hmax(vf x) {
-  float m = x[0];
-  for (int i = 1; i < VW; ++i) m = x[i] > m ? x[i] : m;
-  return m;
-}
-inline float hsum(vf x) {
-  float s = 0.f;
-  for (int i = 0; i < VW; ++i) s += x[i];
-  return s;
-}
-
-// ---- packing: source rows (any of the three dtypes) to float32 --------------------------
+// ---- conversion of source rows (any of the three dtypes) to float32 ----------------------
 inline void row_to_float(const void* src, DType dt, int64_t n, float* dst) {
   if (dt == DType::kFloat32) {
     memcpy(dst, src, n * sizeof(float));
@@ -100,170 +102,231 @@ inline void row_to_float(const void* src, DType dt, int64_t n, float* dst) {
 
 inline int64_t elem_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
 
-// kt[d * BK + j] = K[k0 + j][d] for j < nk, 0 for nk <= j < BK.
-template <int kD>
-void pack_kt(const TileTask& t, int64_t k0, int nk, float* kt, float* row) {
-  const int64_t D = kD ? kD : t.head_dim;
-  const char* base = static_cast<const char*>(t.k);
+// dst[j * ld + d] = src row (k0 + j), d < D, zero padded up to ld, for j < nk.
+inline void convert_block(const void* src, int64_t row_stride, DType dt, int64_t k0, int nk,
+                          int64_t D, int64_t ld, float* dst) {
+  const char* base = static_cast<const char*>(src);
+  const int64_t eb = elem_bytes(dt);
   for (int j = 0; j < nk; ++j) {
-    row_to_float(base + (k0 + j) * t.k_row_stride * elem_bytes(t.dtype), t.dtype, D, row);
-    for (int64_t d = 0; d < D; ++d) kt[d * BK + j] = row[d];
-  }
-  for (int j = nk; j < BK; ++j)
-    for (int64_t d = 0; d < D; ++d) kt[d * BK + j] = 0.f;
-}
-
-// vb[j * Dp + d] = V[k0 + j][d] (d < D), zero padded up to Dp.
-void pack_v(const TileTask& t, int64_t k0, int nk, float* vb) {
-  const int64_t D = t.head_dim, Dp = t.dim_padded;
-  const char* base = static_cast<const char*>(t.v);
-  for (int j = 0; j < nk; ++j) {
-    float* dst = vb + j * Dp;
-    row_to_float(base + (k0 + j) * t.v_row_stride * elem_bytes(t.dtype), t.dtype, D, dst);
-    for (int64_t d = D; d < Dp; ++d) dst[d] = 0.f;
+    float* o = dst + j * ld;
+    row_to_float(base + (k0 + j) * row_stride * eb, dt, D, o);
+    for (int64_t d = D; d < ld; ++d) o[d] = 0.f;
   }
 }
 
-// ---- micro-kernels -----------------------------------------------------------------------
-// s[r * BK + j] = sum_d q[r * Dp + d] * kt[d * BK + j] for r < R (R <= MR rows).
-template <int R, int kD>
-inline void qk_block(const float* q, int64_t Dp, int64_t D_rt, const float* kt, float* s) {
+// ---- QK: st[j * Rp + r] = sum_d k[j * ks + d] * qt[d * Rp + r] ---------------------------
+// NK keys x NR row vectors; k, qt and st already point at the first key / row of the block.
+template <int NK, int NR, int kD>
+inline void qk_micro(const float* k, int64_t ks, const float* qt, int64_t Rp, int64_t D_rt,
+                     float* st) {
   const int64_t D = kD ? kD : D_rt;
-  vf acc[R][NVK];
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NVK; ++n) acc[r][n] = vf{};
+  vf acc[NK][NR];
+  for (int j = 0; j < NK; ++j)
+    for (int n = 0; n < NR; ++n) acc[j][n] = vf{};
   for (int64_t d = 0; d < D; ++d) {
-    vf kv[NVK];
-    for (int n = 0; n < NVK; ++n) kv[n] = load(kt + d * BK + n * VW);
-    for (int r = 0; r < R; ++r) {
-      const vf qb = splat(q[r * Dp + d]);
-      for (int n = 0; n < NVK; ++n) acc[r][n] += qb * kv[n];
+    vf qv[NR];
+    for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
+    for (int j = 0; j < NK; ++j) {
+      const vf kb = splat(k[j * ks + d]);
+      for (int n = 0; n < NR; ++n) acc[j][n] += kb * qv[n];
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NVK; ++n) store(s + r * BK + n * VW, acc[r][n]);
+  for (int j = 0; j < NK; ++j)
+    for (int n = 0; n < NR; ++n) store(st + j * Rp + n * VW, acc[j][n]);
 }
 
-// acc[r * Dp + c + n * VW] += sum_{j < nk} p[r * BK + j] * v[j * vs + c + n * VW], NV vectors.
+// Picks the micro-kernel for nk_left (<= NK) keys at compile time.
+template <int NR, int kD, int NK = QK_KEYS>
+inline void qk_keys(int nk_left, const float* k, int64_t ks, const float* qt, int64_t Rp,
+                    int64_t D, float* st) {
+  if (nk_left == NK) {
+    qk_micro<NK, NR, kD>(k, ks, qt, Rp, D, st);
+  } else if constexpr (NK > 1) {
+    qk_keys<NR, kD, NK - 1>(nk_left, k, ks, qt, Rp, D, st);
+  }
+}
+
+template <int kD, int NR = QK_RV>
+inline void qk_rows(int nr_left, int nk, const float* k, int64_t ks, const float* qt, int64_t Rp,
+                    int64_t D, float* st) {
+  if (nr_left == NR) {
+    for (int j = 0; j < nk; j += QK_KEYS) {
+      const int n = nk - j < QK_KEYS ? nk - j : QK_KEYS;
+      qk_keys<NR, kD>(n, k + j * ks, ks, qt, Rp, D, st + j * Rp);
+    }
+  } else if constexpr (NR > 1) {
+    qk_rows<kD, NR - 1>(nr_left, nk, k, ks, qt, Rp, D, st);
+  }
+}
+
+// ---- QK for very few rows (decode): lanes over the head dim ------------------------------
+// st[j * Rp + r] = <q_r, k_j> for 4 keys at a time, with q_r read from `qrow` (Dp floats, zero
+// padded) and keys from k (row stride ks, Dp-padded when converted; in place when float32, in
+// which case the head-dim tail past the last full vector is added in scalar form).
+inline void qk_dot_row(const float* qrow, int64_t D, const float* k, int64_t ks, int nk,
+                       float* st, int64_t Rp) {
+  const int64_t Dv = D / VW * VW;
+  int j = 0;
+  for (; j + 4 <= nk; j += 4) {
+    vf acc[4] = {};
+    for (int64_t c = 0; c < Dv; c += VW) {
+      const vf qv = load(qrow + c);
+      for (int kk = 0; kk < 4; ++kk) acc[kk] += qv * load(k + (j + kk) * ks + c);
+    }
+    for (int kk = 0; kk < 4; ++kk) {
+      float sum = 0.f;
+      for (int i = 0; i < VW; ++i) sum += acc[kk][i];
+      for (int64_t d = Dv; d < D; ++d) sum += qrow[d] * k[(j + kk) * ks + d];
+      st[(j + kk) * Rp] = sum;
+    }
+  }
+  for (; j < nk; ++j) {
+    vf acc = vf{};
+    for (int64_t c = 0; c < Dv; c += VW) acc += load(qrow + c) * load(k + j * ks + c);
+    float sum = 0.f;
+    for (int i = 0; i < VW; ++i) sum += acc[i];
+    for (int64_t d = Dv; d < D; ++d) sum += qrow[d] * k[j * ks + d];
+    st[j * Rp] = sum;
+  }
+}
+
+// ---- PV: acc[r * Dp + c] += sum_j st[j * Rp + r] * v[j * vs + c] -------------------------
 template <int R, int NV>
-inline void pv_block(const float* p, const float* v, int64_t vs, int nk, float* acc, int64_t Dp,
-                     int64_t c) {
+inline void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, int nk, float* acc,
+                     int64_t Dp) {
   vf a[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) a[r][n] = load(acc + r * Dp + c + n * VW);
+    for (int n = 0; n < NV; ++n) a[r][n] = load(acc + r * Dp + n * VW);
   for (int j = 0; j < nk; ++j) {
     vf vv[NV];
-    for (int n = 0; n < NV; ++n) vv[n] = load(v + j * vs + c + n * VW);
+    for (int n = 0; n < NV; ++n) vv[n] = load(v + j * vs + n * VW);
     for (int r = 0; r < R; ++r) {
-      const vf pb = splat(p[r * BK + j]);
+      const vf pb = splat(pt[j * Rp + r]);
       for (int n = 0; n < NV; ++n) a[r][n] += pb * vv[n];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) store(acc + r * Dp + c + n * VW, a[r][n]);
+    for (int n = 0; n < NV; ++n) store(acc + r * Dp + n * VW, a[r][n]);
 }
 
-template <int R>
-inline void pv_rows(const float* p, const float* v, int64_t vs, int nk, float* acc, int64_t Dp) {
-  int64_t c = 0;
-  for (; c + 4 * VW <= Dp; c += 4 * VW) pv_block<R, 4>(p, v, vs, nk, acc, Dp, c);
-  switch ((Dp - c) / VW) {
-    case 3: pv_block<R, 3>(p, v, vs, nk, acc, Dp, c); break;
-    case 2: pv_block<R, 2>(p, v, vs, nk, acc, Dp, c); break;
-    case 1: pv_block<R, 1>(p, v, vs, nk, acc, Dp, c); break;
-    default: break;
+template <int R, int NV = PV_DV>
+inline void pv_dims(int nv_left, const float* pt, int64_t Rp, const float* v, int64_t vs, int nk,
+                    float* acc, int64_t Dp) {
+  if (nv_left == NV) {
+    pv_micro<R, NV>(pt, Rp, v, vs, nk, acc, Dp);
+  } else if constexpr (NV > 1) {
+    pv_dims<R, NV - 1>(nv_left, pt, Rp, v, vs, nk, acc, Dp);
   }
 }
 
-template <int kD>
-inline void qk_rows(const TileTask& t, int r0, int R, const float* kt, float* s) {
-  const float* q = t.q + r0 * t.dim_padded;
-  float* sr = s + r0 * BK;
-  switch (R) {
-    case 4: qk_block<4, kD>(q, t.dim_padded, t.head_dim, kt, sr); break;
-    case 3: qk_block<3, kD>(q, t.dim_padded, t.head_dim, kt, sr); break;
-    case 2: qk_block<2, kD>(q, t.dim_padded, t.head_dim, kt, sr); break;
-    default: qk_block<1, kD>(q, t.dim_padded, t.head_dim, kt, sr); break;
+template <int R = PV_ROWS>
+inline void pv_rows(int nr_left, int nv, const float* pt, int64_t Rp, const float* v, int64_t vs,
+                    int nk, float* acc, int64_t Dp) {
+  if (nr_left == R) {
+    pv_dims<R>(nv, pt, Rp, v, vs, nk, acc, Dp);
+  } else if constexpr (R > 1) {
+    pv_rows<R - 1>(nr_left, nv, pt, Rp, v, vs, nk, acc, Dp);
   }
 }
 
-inline void pv_any(const TileTask& t, int r0, int R, const float* s, const float* v, int64_t vs,
-                   int nk) {
-  float* acc = t.acc + r0 * t.dim_padded;
-  const float* p = s + r0 * BK;
-  switch (R) {
-    case 4: pv_rows<4>(p, v, vs, nk, acc, t.dim_padded); break;
-    case 3: pv_rows<3>(p, v, vs, nk, acc, t.dim_padded); break;
-    case 2: pv_rows<2>(p, v, vs, nk, acc, t.dim_padded); break;
-    default: pv_rows<1>(p, v, vs, nk, acc, t.dim_padded); break;
-  }
-}
-
-// Online-softmax step for row r on scores s_r[0, BK) of keys [k0, k0 + BK): masks what the row
-// cannot see (only when `full` is false), turns scores into weights in place, rescales acc.
-inline void softmax_row(const TileTask& t, int r, int64_t k0, int nk, bool full, float* s_r) {
+// ---- online softmax over one row vector (lanes = rows r0 .. r0 + VW) ----------------------
+// Masks what each row cannot see (unless `full`), turns scores into weights in place, updates
+// m and l, and rescales the rows' accumulators.
+inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, bool full, float* st) {
+  const int64_t Rp = t.rows_padded;
   if (!full) {
-    const int64_t lo = t.lo[r], hi = t.hi[r];
-    const bool* mrow = t.mask_rows ? t.mask_rows[r] : nullptr;
-    for (int j = 0; j < BK; ++j) {
-      const int64_t key = k0 + j;
-      const bool vis = j < nk && key >= lo && key < hi && (!mrow || mrow[key]);
-      if (!vis) s_r[j] = -__builtin_inff();
+    for (int r = r0; r < r0 + VW; ++r) {
+      const int64_t lo = t.lo[r], hi = t.hi[r];
+      const bool* mrow = t.mask_rows && r < t.rows ? t.mask_rows[r] : nullptr;
+      for (int j = 0; j < nk; ++j) {
+        const int64_t key = k0 + j;
+        const bool vis = key >= lo && key < hi && (!mrow || mrow[key]);
+        if (!vis) st[j * Rp + r] = -__builtin_inff();
+      }
     }
   }
-  vf mx = load(s_r);
-  for (int n = 1; n < NVK; ++n) {
-    const vf x = load(s_r + n * VW);
-    mx = x > mx ? x : mx;
+  vf bmax = load(st + r0);
+  for (int j = 1; j < nk; ++j) {
+    const vf x = load(st + j * Rp + r0);
+    bmax = x > bmax ? x : bmax;
   }
-  const float alpha = online_rescale(t.m[r], hmax(mx));
-  const vf ms = splat(safe_max(t.m[r]));
+  vf m = load(t.m + r0);
+  const vf alpha = online_rescale(m, bmax, Exp2v{});
+  store(t.m + r0, m);
+  const vf ms = safe_max(m);
   vf sum = vf{};
-  for (int n = 0; n < NVK; ++n) {
-    const vf p = exp2v(load(s_r + n * VW) - ms);
-    store(s_r + n * VW, p);
+  for (int j = 0; j < nk; ++j) {
+    const vf p = Exp2v{}(load(st + j * Rp + r0) - ms);
+    store(st + j * Rp + r0, p);
     sum += p;
   }
-  t.l[r] = t.l[r] * alpha + hsum(sum);
-  if (alpha != 1.f) {
-    float* a = t.acc + r * t.dim_padded;
-    const vf av = splat(alpha);
+  store(t.l + r0, load(t.l + r0) * alpha + sum);
+  for (int i = 0; i < VW && r0 + i < t.rows; ++i) {
+    if (alpha[i] == 1.f) continue;
+    float* a = t.acc + (r0 + i) * t.dim_padded;
+    const vf av = splat(alpha[i]);
     for (int64_t c = 0; c < t.dim_padded; c += VW) store(a + c, load(a + c) * av);
   }
 }
 
+inline bool sees_block(const TileTask& t, int r, int64_t k0, int nk) {
+  return t.lo[r] < k0 + nk && t.hi[r] > k0;
+}
+
 template <int kD>
 void attend(const TileTask& t) {
-  const int64_t D = kD ? kD : t.head_dim, Dp = t.dim_padded;
-  float* kt = t.scratch;                 // (D, BK)
-  float* vb = kt + kMaxHeadDim * 64;     // (BK, Dp)
-  float* s = vb + kMaxHeadDim * 64;      // (rows, BK)
-  float row[kMaxHeadDim];
-  // float32 V whose rows are already padded-width vectors is read in place.
-  const bool v_in_place = t.dtype == DType::kFloat32 && D == Dp;
+  const int64_t D = kD ? kD : t.head_dim, Dp = t.dim_padded, Rp = t.rows_padded;
+  float* kb = t.scratch;            // (BK, Dp) converted keys
+  float* vb = kb + BK * kMaxHeadDim;  // (BK, Dp) converted values
+  float* st = vb + BK * kMaxHeadDim;  // (BK, Rp) scores, then weights
+  const bool f32 = t.dtype == DType::kFloat32;
+  const bool v_in_place = f32 && D == Dp;  // float32 values read where they are
   for (int64_t k0 = t.k_begin; k0 < t.k_end; k0 += BK) {
     const int nk = static_cast<int>(t.k_end - k0 < BK ? t.k_end - k0 : BK);
-    pack_kt<kD>(t, k0, nk, kt, row);
+    const float* k = kb;
+    int64_t ks = Dp;
+    if (f32) {
+      k = static_cast<const float*>(t.k) + k0 * t.k_row_stride;
+      ks = t.k_row_stride;
+    } else {
+      convert_block(t.k, t.k_row_stride, t.dtype, k0, nk, D, Dp, kb);
+    }
     const float* v = vb;
     int64_t vs = Dp;
     if (v_in_place) {
       v = static_cast<const float*>(t.v) + k0 * t.v_row_stride;
       vs = t.v_row_stride;
     } else {
-      pack_v(t, k0, nk, vb);
+      convert_block(t.v, t.v_row_stride, t.dtype, k0, nk, D, Dp, vb);
     }
-    for (int r0 = 0; r0 < t.rows; r0 += MR) {
-      const int R = t.rows - r0 < MR ? t.rows - r0 : MR;
-      // Rows that see no key of this block are skipped entirely.
-      bool any = false;
-      for (int r = r0; r < r0 + R; ++r) any |= t.lo[r] < k0 + nk && t.hi[r] > k0;
-      if (!any) continue;
-      qk_rows<kD>(t, r0, R, kt, s);
-      for (int r = r0; r < r0 + R; ++r) {
-        const bool full = nk == BK && !t.mask_rows && t.lo[r] <= k0 && t.hi[r] >= k0 + BK;
-        softmax_row(t, r, k0, nk, full, s + r * BK);
+    // Scores for row chunks of QK_RV vectors; chunks whose rows all miss the block are skipped.
+    bool chunk_live[kMaxTileRows] = {};
+    for (int c = 0, ci = 0; c < Rp; c += QK_RV * VW, ++ci) {
+      const int nr = static_cast<int>((Rp - c) / VW < QK_RV ? (Rp - c) / VW : QK_RV);
+      for (int r = c; r < c + nr * VW && r < t.rows; ++r) chunk_live[ci] |= sees_block(t, r, k0, nk);
+      if (chunk_live[ci] && t.rows > kDotRows) qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
+    }
+    if (t.rows <= kDotRows && chunk_live[0]) {
+      for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * Dp, D, k, ks, nk, st + r, Rp);
+    }
+    for (int r0 = 0; r0 < Rp; r0 += VW) {
+      if (!chunk_live[r0 / (QK_RV * VW)]) continue;
+      // Padding rows are left unmasked: their weights are never used.
+      bool full = nk == BK && !t.mask_rows;
+      for (int r = r0; r < r0 + VW && r < t.rows && full; ++r)
+        full = t.lo[r] <= k0 && t.hi[r] >= k0 + nk;
+      softmax_rows(t, r0, k0, nk, full, st);
+    }
+    // acc += P V, head-dim chunks outermost so each chunk of V stays in L1 across row groups.
+    bool group_live[kMaxTileRows] = {};
+    for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g)
+      for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) group_live[g] |= sees_block(t, r, k0, nk);
+    for (int64_t c = 0; c < Dp; c += PV_DV * VW) {
+      const int nv = static_cast<int>((Dp - c) / VW < PV_DV ? (Dp - c) / VW : PV_DV);
+      for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
+        const int nr = t.rows - r0 < PV_ROWS ? t.rows - r0 : PV_ROWS;
+        if (group_live[g]) pv_rows(nr, nv, st + r0, Rp, v + c, vs, nk, t.acc + r0 * Dp + c, Dp);
       }
-      pv_any(t, r0, R, s, v, vs, nk);
     }
   }
 }
