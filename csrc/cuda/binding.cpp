@@ -59,7 +59,12 @@ void check_cuda_inputs(const at::Tensor& q) {
                     q.device());
 }
 
-void launch(Prepared& pr, int64_t total_rows) {
+// Every check has passed (prepare_* allocates on q's device by itself); from here on the
+// work runs on q's device and its current stream.
+void launch(Prepared& pr, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            bool varlen, int64_t total_rows) {
+  const c10::cuda::CUDAGuard guard(pr.out.device());
+  align_inputs(pr, q, k, v, varlen);
   const SharpParams& p = pr.params;
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   cuda::SplitKV split;
@@ -85,11 +90,9 @@ std::tuple<at::Tensor, at::Tensor> sharp_attention_cuda(
     double contrast, double beta_min, double beta_max,
     const std::optional<at::Tensor>& n_visible) {
   check_cuda_inputs(q);
-  const c10::cuda::CUDAGuard guard(q.device());
   Prepared pr = prepare_dense(q, k, v, causal, window, attn_mask, kv_lens, scale, mode, slope,
                               slope_per_head, n_ref, topk, contrast, beta_min, beta_max, n_visible);
-  align_inputs(pr, q, k, v, /*varlen=*/false);
-  launch(pr, q.size(0) * q.size(2));
+  launch(pr, q, k, v, /*varlen=*/false, q.size(0) * q.size(2));
   return {pr.out, pr.lse};
 }
 
@@ -102,12 +105,10 @@ std::tuple<at::Tensor, at::Tensor> sharp_attention_varlen_cuda(
     double contrast, double beta_min, double beta_max,
     const std::optional<at::Tensor>& n_visible) {
   check_cuda_inputs(q);
-  const c10::cuda::CUDAGuard guard(q.device());
   Prepared pr = prepare_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, window, scale, mode, slope, slope_per_head, n_ref, topk,
                                contrast, beta_min, beta_max, n_visible);
-  align_inputs(pr, q, k, v, /*varlen=*/true);
-  launch(pr, q.size(0));
+  launch(pr, q, k, v, /*varlen=*/true, q.size(0));
   return {pr.out, pr.lse};
 }
 
