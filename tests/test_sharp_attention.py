@@ -292,6 +292,15 @@ def test_varlen_matches_dense_per_sequence():
         torch.testing.assert_close(out[q0:q1], dense[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
 
 
+def test_n_visible_python_int():
+    """SPEC §2: n_visible is an int broadcastable to (B, Hq, Lq): a plain Python int works."""
+    g = make_gen(71)
+    q, k, v = make_qkv(1, 2, 1, 12, 40, 32, torch.float32, g)
+    check_dense(q, k, v, causal=True, n_ref=8, n_visible=5000)
+    got = ext.visible_counts(q, k, causal=True, n_visible=5000)
+    assert torch.equal(got.to(torch.int64), torch.full((1, 2, 12), 5000))
+
+
 # ---------------------------------------------------------------------------------------------
 # visible_counts / query_scale
 # ---------------------------------------------------------------------------------------------
