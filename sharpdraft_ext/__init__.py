@@ -30,6 +30,13 @@ def _split_slope(slope):
     return float(slope), None
 
 
+def _as_counts(n_visible, q: torch.Tensor):
+    """n_visible may be a Python int (one cardinality for every row) or an integer tensor."""
+    if n_visible is None or isinstance(n_visible, torch.Tensor):
+        return n_visible
+    return torch.tensor(n_visible, dtype=torch.int64, device=q.device)
+
+
 def _check_device(q: torch.Tensor):
     if q.is_cuda and not HAS_CUDA_KERNELS:
         raise RuntimeError("q is a CUDA tensor but sharpdraft_ext was built without its CUDA "
@@ -42,7 +49,7 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     mode: str = "fixed_slope", slope: Union[float, torch.Tensor] = 0.2,
                     n_ref: int = 2048, topk: int = 32, contrast: float = 5.0,
                     beta_min: float = 1.0, beta_max: float = _INF,
-                    n_visible: Optional[torch.Tensor] = None, return_lse: bool = False):
+                    n_visible: Union[int, torch.Tensor, None] = None, return_lse: bool = False):
     """Sharp attention, dense layout (SPEC §2-§4).
 
     Args:
@@ -60,7 +67,8 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         slope: lambda, a float or a float tensor (Hq,) of per-head slopes.
         n_ref, topk, contrast: reference cardinality, k and Delta of SPEC §1.
         beta_min, beta_max: clamp of beta (mode "none" ignores them).
-        n_visible: integer, broadcastable to (B, Hq, Lq): overrides n_i for beta only.
+        n_visible: an int or an integer tensor broadcastable to (B, Hq, Lq): overrides n_i for
+            beta only (the mask is still applied).
         return_lse: also return the log-sum-exp of the scaled scores.
 
     Returns:
@@ -75,7 +83,7 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     slope_f, slope_t = _split_slope(slope)
     out, lse = ops.sharp_attention(q, k, v, causal, window, attn_mask, kv_lens, scale, mode,
                                    slope_f, slope_t, n_ref, topk, contrast, beta_min, beta_max,
-                                   n_visible)
+                                   _as_counts(n_visible, q))
     return (out, lse) if return_lse else out
 
 
@@ -86,7 +94,7 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            scale: Optional[float] = None, mode: str = "fixed_slope",
                            slope: Union[float, torch.Tensor] = 0.2, n_ref: int = 2048,
                            topk: int = 32, contrast: float = 5.0, beta_min: float = 1.0,
-                           beta_max: float = _INF, n_visible: Optional[torch.Tensor] = None,
+                           beta_max: float = _INF, n_visible: Union[int, torch.Tensor, None] = None,
                            return_lse: bool = False):
     """Sharp attention over packed variable-length sequences (SPEC §4).
 
@@ -95,7 +103,7 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,), non-decreasing from 0 to total_q / total_k;
             sequence b holds rows cu_seqlens[b] : cu_seqlens[b + 1] (may be empty).
         max_seqlen_q, max_seqlen_k: optional upper bounds of the sequence lengths.
-        n_visible: integer, broadcastable to (total_q, Hq).
+        n_visible: an int or an integer tensor broadcastable to (total_q, Hq).
         Other keywords as in `sharp_attention` (no attn_mask or kv_lens).
 
     Returns:
@@ -106,20 +114,21 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse = ops.sharp_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal, window, scale, mode, slope_f,
                                           slope_t, n_ref, topk, contrast, beta_min, beta_max,
-                                          n_visible)
+                                          _as_counts(n_visible, q))
     return (out, lse) if return_lse else out
 
 
 def visible_counts(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False,
                    window: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                    kv_lens: Optional[torch.Tensor] = None,
-                   n_visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   n_visible: Union[int, torch.Tensor, None] = None) -> torch.Tensor:
     """The cardinality n_i each row's beta uses (SPEC §2), computed by the kernel's own code.
 
     Args: as `sharp_attention` (q (B, Hq, Lq, D), k (B, Hk, Lk, D); only shapes, masking
     arguments and n_visible matter). Returns int64 (B, Hq, Lq) on q's device: n_visible when
     given, else the number of keys row i sees under causal/window/kv_lens/attn_mask.
     """
+    n_visible = _as_counts(n_visible, q)
     if q.is_cuda:  # counting is cheap: do it with the CPU code and move the result
         cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
         return visible_counts(q.cpu(), k.cpu(), causal=causal, window=window,

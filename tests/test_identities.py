@@ -176,10 +176,6 @@ def test_nan_value_beyond_kv_lens_is_ignored():
     assert torch.isnan(out[1, :, -1, 0]).all()  # batch 1's last row does see key 99
 
 
-@pytest.mark.xfail(strict=True, reason="kernel: P@V over a whole key tile multiplies the p = 0 of "
-                   "masked keys by their values, so a NaN value leaks into rows that cannot see it "
-                   "(SDPA's CPU kernel does the same; SPEC §5 says other rows must not be "
-                   "corrupted). Remove this marker once the kernel skips masked keys in P@V.")
 @pytest.mark.parametrize("kind", ["causal", "attn_mask"])
 def test_nan_value_of_unseen_key_does_not_leak(kind):
     g = make_gen(35)

@@ -191,7 +191,9 @@ inline void qk_dot_row(const float* qrow, int64_t D, const float* k, int64_t ks,
 }
 
 // ---- PV: acc[r * Dp + c] += sum_j st[j * Rp + r] * v[j * vs + c] -------------------------
-template <int R, int NV>
+// kSafe (blocks where some row of the group is masked): a weight of 0 contributes exactly 0,
+// so a NaN or inf value of a key a row cannot see never reaches that row (SPEC §5).
+template <int R, int NV, bool kSafe>
 inline void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, int nk, float* acc,
                      int64_t Dp) {
   vf a[R][NV];
@@ -202,30 +204,40 @@ inline void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, in
     for (int n = 0; n < NV; ++n) vv[n] = load(v + j * vs + n * VW);
     for (int r = 0; r < R; ++r) {
       const vf pb = splat(pt[j * Rp + r]);
-      for (int n = 0; n < NV; ++n) a[r][n] += pb * vv[n];
+      for (int n = 0; n < NV; ++n) {
+        if constexpr (kSafe) {
+          a[r][n] += pb != 0.f ? pb * vv[n] : vf{};
+        } else {
+          a[r][n] += pb * vv[n];
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NV; ++n) store(acc + r * Dp + n * VW, a[r][n]);
 }
 
-template <int R, int NV = PV_DV>
+template <int R, bool kSafe, int NV = PV_DV>
 inline void pv_dims(int nv_left, const float* pt, int64_t Rp, const float* v, int64_t vs, int nk,
                     float* acc, int64_t Dp) {
   if (nv_left == NV) {
-    pv_micro<R, NV>(pt, Rp, v, vs, nk, acc, Dp);
+    pv_micro<R, NV, kSafe>(pt, Rp, v, vs, nk, acc, Dp);
   } else if constexpr (NV > 1) {
-    pv_dims<R, NV - 1>(nv_left, pt, Rp, v, vs, nk, acc, Dp);
+    pv_dims<R, kSafe, NV - 1>(nv_left, pt, Rp, v, vs, nk, acc, Dp);
   }
 }
 
 template <int R = PV_ROWS>
-inline void pv_rows(int nr_left, int nv, const float* pt, int64_t Rp, const float* v, int64_t vs,
-                    int nk, float* acc, int64_t Dp) {
+inline void pv_rows(int nr_left, int nv, bool safe, const float* pt, int64_t Rp, const float* v,
+                    int64_t vs, int nk, float* acc, int64_t Dp) {
   if (nr_left == R) {
-    pv_dims<R>(nv, pt, Rp, v, vs, nk, acc, Dp);
+    if (safe) {
+      pv_dims<R, true>(nv, pt, Rp, v, vs, nk, acc, Dp);
+    } else {
+      pv_dims<R, false>(nv, pt, Rp, v, vs, nk, acc, Dp);
+    }
   } else if constexpr (R > 1) {
-    pv_rows<R - 1>(nr_left, nv, pt, Rp, v, vs, nk, acc, Dp);
+    pv_rows<R - 1>(nr_left, nv, safe, pt, Rp, v, vs, nk, acc, Dp);
   }
 }
 
@@ -272,6 +284,10 @@ inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, bool ful
 inline bool sees_block(const TileTask& t, int r, int64_t k0, int nk) {
   return t.lo[r] < k0 + nk && t.hi[r] > k0;
 }
+// Row r sees every key of the block: no masking needed.
+inline bool sees_all(const TileTask& t, int r, int64_t k0, int nk) {
+  return !t.mask_rows && t.lo[r] <= k0 && t.hi[r] >= k0 + nk;
+}
 
 template <int kD>
 void attend(const TileTask& t) {
@@ -304,7 +320,12 @@ void attend(const TileTask& t) {
     for (int c = 0, ci = 0; c < Rp; c += QK_RV * VW, ++ci) {
       const int nr = static_cast<int>((Rp - c) / VW < QK_RV ? (Rp - c) / VW : QK_RV);
       for (int r = c; r < c + nr * VW && r < t.rows; ++r) chunk_live[ci] |= sees_block(t, r, k0, nk);
-      if (chunk_live[ci] && t.rows > kDotRows) qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
+      if (!chunk_live[ci]) {  // weights of 0: a PV row group may straddle live and dead chunks
+        for (int j = 0; j < nk; ++j)
+          for (int n = 0; n < nr; ++n) store(st + j * Rp + c + n * VW, vf{});
+      } else if (t.rows > kDotRows) {
+        qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
+      }
     }
     if (t.rows <= kDotRows && chunk_live[0]) {
       for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * Dp, D, k, ks, nk, st + r, Rp);
@@ -312,20 +333,25 @@ void attend(const TileTask& t) {
     for (int r0 = 0; r0 < Rp; r0 += VW) {
       if (!chunk_live[r0 / (QK_RV * VW)]) continue;
       // Padding rows are left unmasked: their weights are never used.
-      bool full = nk == BK && !t.mask_rows;
-      for (int r = r0; r < r0 + VW && r < t.rows && full; ++r)
-        full = t.lo[r] <= k0 && t.hi[r] >= k0 + nk;
+      bool full = true;
+      for (int r = r0; r < r0 + VW && r < t.rows && full; ++r) full = sees_all(t, r, k0, nk);
       softmax_rows(t, r0, k0, nk, full, st);
     }
     // acc += P V, head-dim chunks outermost so each chunk of V stays in L1 across row groups.
-    bool group_live[kMaxTileRows] = {};
-    for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g)
-      for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) group_live[g] |= sees_block(t, r, k0, nk);
+    bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {};
+    for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
+      for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) {
+        group_live[g] |= sees_block(t, r, k0, nk);
+        group_masked[g] |= !sees_all(t, r, k0, nk);
+      }
+    }
     for (int64_t c = 0; c < Dp; c += PV_DV * VW) {
       const int nv = static_cast<int>((Dp - c) / VW < PV_DV ? (Dp - c) / VW : PV_DV);
       for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
         const int nr = t.rows - r0 < PV_ROWS ? t.rows - r0 : PV_ROWS;
-        if (group_live[g]) pv_rows(nr, nv, st + r0, Rp, v + c, vs, nk, t.acc + r0 * Dp + c, Dp);
+        if (group_live[g]) {
+          pv_rows(nr, nv, group_masked[g], st + r0, Rp, v + c, vs, nk, t.acc + r0 * Dp + c, Dp);
+        }
       }
     }
   }
