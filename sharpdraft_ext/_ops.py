@@ -1,13 +1,15 @@
 """Loads the compiled extension(s) and registers the fake (meta) kernels used by torch.compile."""
+import importlib.util
+
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.sharpdraft.* and their CPU kernels)
 
-try:
+# The CUDA extension is optional (built only with a CUDA torch and nvcc); when it was built,
+# a failure to load it is an error, not a silent fallback.
+HAS_CUDA_KERNELS = importlib.util.find_spec(f"{__package__}._cuda") is not None
+if HAS_CUDA_KERNELS:
     from . import _cuda  # noqa: F401  (registers the CUDA kernels)
-    HAS_CUDA_KERNELS = True
-except ImportError:
-    HAS_CUDA_KERNELS = False
 
 ops = torch.ops.sharpdraft
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The project's test command (README "Set up"): run it inside a fresh virtual environment.
+#   python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh
+# 1. installs the build and test requirements (torch 2.13.0, CPU) and builds the extension
+#    with --no-build-isolation (the extension must match the torch that runs it);
+# 2. runs the Python tests (pytest) and the torch-free C++ core's tests (CMake + ctest);
+# 3. when nvcc is present: compiles every CUDA kernel for sm_80 and sm_90a (warnings as errors,
+#    no register spills) and, unless SHARPDRAFT_SKIP_CUDA_BUILD=1, builds the CUDA extension
+#    against the CUDA build of torch in a second environment and checks that it imports and
+#    rejects CPU tensors without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+export MAX_JOBS="${MAX_JOBS:-2}"
+step() { printf '\n== %s (%ss)\n' "$1" "$SECONDS"; }
+
+step "install (torch 2.13.0 CPU, build + test requirements, the extension)"
+python -m pip install -q torch==2.13.0 numpy pytest hypothesis ninja "setuptools>=64" wheel tqdm
+SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e .
+python -c "import torch, sharpdraft_ext as ext; print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa())"
+
+step "pytest"
+python -m pytest -q tests
+
+step "C++ core: CMake + ctest"
+cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build/cmake -j "$MAX_JOBS" >/dev/null
+ctest --test-dir build/cmake --output-on-failure
+
+NVCC=$(command -v nvcc || true)
+[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
+  step "CUDA: compile-only check (sm_80, sm_90a)"
+  NVCC="$NVCC" bash scripts/cuda_compile_check.sh build/ptxas
+
+  if [[ "${SHARPDRAFT_SKIP_CUDA_BUILD:-0}" != 1 ]]; then
+    step "CUDA: extension build against the CUDA torch, import without a GPU"
+    work=$(mktemp -d)
+    python -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest ninja "setuptools>=64" wheel
+    mkdir -p "$work/src"
+    git ls-files -z | xargs -0 cp --parents -t "$work/src"  # tracked sources, no in-tree build
+    (cd "$work/src" && CUDA_HOME="$(dirname "$(dirname "$NVCC")")" SHARPDRAFT_CUDA=1 \
+      TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" \
+      "$work/venv/bin/pip" install -q --no-build-isolation .)
+    (cd "$work" && "$work/venv/bin/python" -c "import torch, sharpdraft_ext as e
+assert e.HAS_CUDA_KERNELS, 'the CUDA extension was not built'
+print('CUDA extension imports; GPU available:', torch.cuda.is_available())")
+    (cd "$work" && "$work/venv/bin/pytest" -q -p no:cacheprovider "$work/src/tests/test_cuda.py")
+    rm -rf "$work"
+  fi
+fi
+step "all tests passed"
