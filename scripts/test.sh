@@ -27,8 +27,16 @@ cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/cmake -j "$MAX_JOBS" >/dev/null
 ctest --test-dir build/cmake --output-on-failure
 
-NVCC=$(command -v nvcc || true)
-[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+# The CUDA toolkit: $CUDA_HOME, else /usr/local/cuda, else the folder above nvcc's bin/
+# (torch guesses from `which nvcc`, which a wrapper script on PATH can mislead).
+NVCC="" CUDA_ROOT=""
+for c in "${CUDA_HOME:-}" /usr/local/cuda \
+         "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")"; do
+  if [[ -n "$c" && -x "$c/bin/nvcc" && -f "$c/include/cuda_runtime.h" ]]; then
+    CUDA_ROOT=$c NVCC=$c/bin/nvcc
+    break
+  fi
+done
 if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
   step "CUDA: compile-only check (sm_80, sm_90a)"
   NVCC="$NVCC" bash scripts/cuda_compile_check.sh build/ptxas
@@ -40,7 +48,7 @@ if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
     "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest ninja "setuptools>=64" wheel
     mkdir -p "$work/src"
     git ls-files -z | xargs -0 cp --parents -t "$work/src"  # tracked sources, no in-tree build
-    (cd "$work/src" && CUDA_HOME="$(dirname "$(dirname "$NVCC")")" SHARPDRAFT_CUDA=1 \
+    (cd "$work/src" && CUDA_HOME="$CUDA_ROOT" SHARPDRAFT_CUDA=1 \
       TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" \
       "$work/venv/bin/pip" install -q --no-build-isolation .)
     (cd "$work" && "$work/venv/bin/python" -c "import torch, sharpdraft_ext as e
