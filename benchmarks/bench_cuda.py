@@ -9,6 +9,7 @@ Shapes (bfloat16): the flash-attn convention (batch * seqlen = 16k tokens, hidde
   sdpa       torch SDPA, flash backend, no scaling
   sdpa_pre   torch SDPA, flash backend, on q pre-multiplied by beta_i (the multiply is timed)
   fa2        flash_attn.flash_attn_func, when importable
+  sharp_alt  (--alt) sharp with SHARPDRAFT_CUDA_TILE=alt: the kernel's alternative prefill tile
 
 Causal shapes with Lq != Lk use bottom-right alignment in the kernel; SDPA's is_causal is
 top-left, so only Lq == Lk (or Lq == 1, non-causal) shapes are benchmarked causal.
@@ -63,6 +64,18 @@ def time_ms(fn, min_total_ms=60.0, max_reps=50):
     return start.elapsed_time(end) / reps
 
 
+SMALL_M = 16  # Lq <= SMALL_M runs the one-warp tile (csrc/cuda/sharp_fwd_traits.h kSmallM)
+
+
+def with_alt_tile(fn):
+    """Runs fn with SHARPDRAFT_CUDA_TILE=alt (the kernel's alternative prefill tile)."""
+    os.environ["SHARPDRAFT_CUDA_TILE"] = "alt"
+    try:
+        return fn()
+    finally:
+        del os.environ["SHARPDRAFT_CUDA_TILE"]
+
+
 def visible_pairs(B, H, Lq, Lk, causal):
     if not causal:
         return B * H * Lq * Lk
@@ -71,7 +84,7 @@ def visible_pairs(B, H, Lq, Lk, causal):
     return B * H * per_head
 
 
-def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16):
+def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16, alt=False):
     g = torch.Generator(device="cuda")
     g.manual_seed(B * 131 + Lq * 7 + Lk + D + int(causal))
     q = torch.randn(B, H, Lq, D, device="cuda", dtype=dtype, generator=g)
@@ -92,6 +105,8 @@ def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16):
                                              n_ref=N_REF),
         "sharp_none": lambda: ext.sharp_attention(q, k, v, causal=causal, mode="none"),
     }
+    if alt and Lq > SMALL_M and D in (64, 128):
+        fns["sharp_alt"] = lambda: with_alt_tile(fns["sharp"])
 
     def run_sdpa(qq):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -105,6 +120,13 @@ def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16):
 
     res = {"name": name, "B": B, "H": H, "Lq": Lq, "Lk": Lk, "D": D, "causal": causal,
            "flops": flops}
+    if "sharp_alt" in fns:  # the alternative tile must agree with the default one
+        try:
+            diff = (fns["sharp_alt"]().float() - fns["sharp"]().float()).abs().max().item()
+            res["alt_maxdiff"] = diff
+        except Exception as err:  # noqa: BLE001
+            res["sharp_alt_error"] = f"{type(err).__name__}: {err}"[:200]
+            del fns["sharp_alt"]
     for key, fn in fns.items():
         try:
             ms = time_ms(fn)
@@ -137,8 +159,9 @@ def fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
-def write_markdown(results, path, device, elapsed):
+def write_markdown(results, path, device, elapsed, commit=None, command=None):
     have_fa2 = any(r.get("fa2_ms") is not None for r in results)
+    have_alt = any(r.get("sharp_alt_ms") is not None for r in results)
     lines = [
         "# CUDA forward benchmark (sharp attention vs SDPA flash)",
         "",
@@ -146,6 +169,10 @@ def write_markdown(results, path, device, elapsed):
         f"benchmark wall time {elapsed:.0f} s. Written by benchmarks/bench_cuda.py "
         f"(scripts/gpu_check.sh).",
         "",
+    ]
+    if commit or command:
+        lines += [f"Kernel commit: {commit or 'unknown'}. Command: `{command or 'n/a'}`.", ""]
+    lines += [
         "TFLOP/s = 4 * D * (visible query-key pairs) / time. `vs sdpa` = sdpa time / sharp time "
         "(>= 1 is faster than SDPA flash). `scaling cost` = sharp (fixed_slope) time / "
         "sharp (mode none) time - 1. `sdpa_pre` = SDPA on q pre-multiplied by beta_i "
@@ -153,9 +180,9 @@ def write_markdown(results, path, device, elapsed):
         "",
         "| shape | B | H | Lq | Lk | D | causal | sharp TF/s | none TF/s | sdpa TF/s | "
         "sdpa_pre TF/s |" + (" fa2 TF/s |" if have_fa2 else "") +
-        " vs sdpa | vs sdpa_pre | scaling cost |",
+        " vs sdpa | vs sdpa_pre | scaling cost |" + (" alt tile TF/s |" if have_alt else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if have_fa2 else "") +
-        "---|---|---|",
+        "---|---|---|" + ("---|" if have_alt else ""),
     ]
     for r in results:
         s, n, d, p = (r.get(k + "_ms") for k in ("sharp", "sharp_none", "sdpa", "sdpa_pre"))
@@ -169,6 +196,8 @@ def write_markdown(results, path, device, elapsed):
         if have_fa2:
             row += f" {fmt(r.get('fa2_tflops'), '.1f')} |"
         row += f" {fmt(ratio, '.2f')}x | {fmt(ratio_pre, '.2f')}x | {fmt(cost, '+.1f')}% |"
+        if have_alt:
+            row += f" {fmt(r.get('sharp_alt_tflops'), '.1f')} |"
         lines.append(row)
     errors = [(r["name"], k, v) for r in results for k, v in r.items() if k.endswith("_error")]
     if errors:
@@ -182,6 +211,12 @@ def write_markdown(results, path, device, elapsed):
                       f"max {max(ratios):.2f}x over {len(ratios)} shapes; scaling cost "
                       f"median {sorted(costs)[len(costs) // 2] * 100:+.1f}%, "
                       f"max {max(costs) * 100:+.1f}%."]
+    if have_alt:
+        diffs = [r["alt_maxdiff"] for r in results if "alt_maxdiff" in r]
+        lines += ["", "`alt tile`: the same fixed_slope call with SHARPDRAFT_CUDA_TILE=alt "
+                      "(AltTraits in csrc/cuda/sharp_fwd_traits.h: D=64 64x128 tiles, D=128 "
+                      "64x64 tiles, 4 warps, 2 CTAs per SM); max |alt - default| over the "
+                      f"outputs: {max(diffs) if diffs else float('nan'):.3g}."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -190,20 +225,26 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results_cuda.md"))
     ap.add_argument("--quick", action="store_true", help="fewer flash-attn-convention seqlens")
+    ap.add_argument("--alt", action="store_true",
+                    help="also time the alternative prefill tile (SHARPDRAFT_CUDA_TILE=alt)")
+    ap.add_argument("--commit", default=os.environ.get("SHARPDRAFT_COMMIT"),
+                    help="the kernel's git commit, written into the results")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_cuda.py needs a CUDA device"
     device = torch.cuda.get_device_name()
     t0 = time.time()
     results = []
     for sh in shapes(args.quick):
-        r = bench_shape(*sh)
+        r = bench_shape(*sh, alt=args.alt)
         results.append(r)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
               flush=True)
     elapsed = time.time() - t0
-    write_markdown(results, args.out, device, elapsed)
+    command = "python benchmarks/bench_cuda.py " + " ".join(sys.argv[1:])
+    write_markdown(results, args.out, device, elapsed, args.commit, command)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"device": device, "torch": torch.__version__, "commit": args.commit,
+                   "command": command, "results": results}, f, indent=1)
     print(open(args.out).read())
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a fresh GPU machine: build the extensions (CPU + CUDA), run tests/test_cuda.py, run the
 # CUDA benchmark, and write everything under $OUT (default build/gpu_check):
-#   build.log, test_cuda.log, bench.log, results_cuda.md (+ .json), nvidia-smi.txt
+#   build.log, test_unsupported.log, test_cuda.log, bench.log, results_cuda.md (+ .json),
+#   nvidia-smi.txt (and segv_diag.log when the unsupported-input test crashes)
 # Env: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default nproc),
-# BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds).
+# BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds),
+# SHARPDRAFT_COMMIT (the commit the results are written against; else `git rev-parse HEAD`).
 # Pure-Python test dependencies missing on the machine may be supplied in build/gpu_pydeps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +43,58 @@ torch.cuda.synchronize()
 print("smoke ok", out.float().abs().sum().item(), lse.tolist())
 PYEOF
 
-echo "== test_cuda"
-timeout "${TEST_TIMEOUT:-200}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --maxfail=40 \
-  2>&1 | tee "$OUT/test_cuda.log" | tail -60
+# Tests run with Python's faulthandler (a crash prints the Python traceback of every thread).
+# test_unsupported_inputs_raise runs first in a process of its own: it once segfaulted after
+# the rest of the file had run, so a crash there must not hide the other tests.
+export PYTHONFAULTHANDLER=1
+UNSUPPORTED=tests/test_cuda.py::test_unsupported_inputs_raise
+echo "== test_cuda: $UNSUPPORTED (own process)"
+timeout 120 "$PY" -X faulthandler -m pytest -q -p no:cacheprovider "$UNSUPPORTED" -rfE \
+  2>&1 | tee "$OUT/test_unsupported.log" | tail -40
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then
+  status=1
+  echo "gpu_check: $UNSUPPORTED exited with $rc; step-by-step repro in segv_diag.log"
+  cat >"$OUT/segv_diag.py" <<'PYEOF'
+import faulthandler, sys
+faulthandler.enable()
+def step(msg):
+    print(msg, flush=True)
+step("import torch")
+import torch
+step("import sharpdraft_ext")
+import sharpdraft_ext as ext
+for dtype, d in ((torch.float32, 64), (torch.float16, 96), (torch.bfloat16, 96), (torch.float16, 32)):
+    step(f"randn cpu {dtype} D={d}")
+    q = torch.randn(1, 2, 8, d, dtype=dtype)
+    step("to cuda")
+    qc = q.cuda()
+    torch.cuda.synchronize()
+    step("sharp_attention")
+    try:
+        ext.sharp_attention(qc, qc, qc)
+        step("returned (no error!)")
+    except Exception as err:  # noqa: BLE001
+        step(f"raised {type(err).__name__}: {str(err)[:200]}")
+step("done")
+PYEOF
+  { timeout 60 "$PY" -X faulthandler "$OUT/segv_diag.py"; echo "exit $?";
+    if command -v gdb >/dev/null; then
+      timeout 90 gdb -q -batch -ex run -ex bt --args "$PY" "$OUT/segv_diag.py"
+    fi; } >"$OUT/segv_diag.log" 2>&1
+  tail -40 "$OUT/segv_diag.log"
+fi
+
+echo "== test_cuda: the rest"
+timeout "${TEST_TIMEOUT:-200}" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  --deselect "$UNSUPPORTED" -rfE --maxfail=40 2>&1 | tee "$OUT/test_cuda.log" | tail -60
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 echo "== benchmark"
+if [[ -z "${SHARPDRAFT_COMMIT:-}" ]]; then
+  SHARPDRAFT_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || true)"
+fi
+export SHARPDRAFT_COMMIT
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-170}" "$PY" benchmarks/bench_cuda.py --out "$OUT/results_cuda.md" ${BENCH_ARGS:-} \
   >"$OUT/bench.log" 2>&1

@@ -165,6 +165,32 @@ def test_mask_kinds(kind, D, dtype):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", DT16, ids=DT_ID.get)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_mask_kinds_small_m(kind, D, dtype):
+    """Lq <= 16 runs the one-warp tile (sharp_fwd_traits.h SmallMTraits), with split-KV."""
+    g = make_gen(stable_seed("mask_small", kind, D, dtype))
+    B, Hq, Hk, Lq, Lk = 2, 4, 2, 13, 1203
+    q, k, v = make_qkv(B, Hq, Hk, Lq, Lk, D, dtype, g)
+    check_dense_cuda(q, k, v, n_ref=64, **mask_kwargs(kind, B, Hq, Lq, Lk, g))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DT16, ids=DT_ID.get)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", ["none", "causal", "causal_window", "kv_lens_causal",
+                                  "mask_head", "mask_causal"])
+def test_alt_tile(kind, D, dtype, monkeypatch):
+    """SHARPDRAFT_CUDA_TILE=alt (the alternative prefill tile the benchmark times)."""
+    monkeypatch.setenv("SHARPDRAFT_CUDA_TILE", "alt")
+    g = make_gen(stable_seed("alt", kind, D, dtype))
+    B, Hq, Hk, Lq, Lk = 2, 4, 2, 150, 333
+    q, k, v = make_qkv(B, Hq, Hk, Lq, Lk, D, dtype, g)
+    check_dense_cuda(q, k, v, n_ref=64, **mask_kwargs(kind, B, Hq, Lq, Lk, g))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DT16, ids=DT_ID.get)
 @pytest.mark.parametrize("Lq,Lk,causal", [(1, 300, False), (300, 17, True), (300, 17, False),
                                           (16, 257, True), (129, 129, True), (2, 1, True),
                                           (64, 64, True), (200, 1000, True), (1000, 200, False),

@@ -43,8 +43,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   T* smem = reinterpret_cast<T*>(smem_raw);
   const uint32_t smem_base = smem_u32(smem);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
+  // The warp index through a shuffle from lane 0: the compiler then knows it is warp-uniform,
+  // so the per-warp / per-fragment guards below are uniform branches and the mma.sync / shfl
+  // instructions need no WARPSYNC in front of them.
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0);
   const int g = lane >> 2, t = lane & 3;  // accumulator row group / column pair of this lane
+  const int warp_row0 = warp * 16 * MI;   // first local row of this warp
 
   // ---- which rows and keys this CTA sees --------------------------------------------------
   const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
@@ -56,7 +61,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   if (row0 >= len_q) return;
   const int kv_len = int(seqlen_k_of(p, b));
   const int offset = kv_len - len_q;  // bottom-right alignment
-  const int window = int(p.window);
+  // Windows past any sequence length act as none; the clamp keeps the int32 band maths exact.
+  const int window = int(min(p.window, int64_t(1) << 30));
   const bool has_window = kCausal && window > 0;
   const int rows_here = min(BM, len_q - row0);
   const int pos_first = row0 + offset, pos_last = row0 + rows_here - 1 + offset;
@@ -84,58 +90,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   const bool* mask_ptr =
       kMask ? p.mask + int64_t(b) * p.mask_batch_stride + int64_t(h) * p.mask_head_stride
             : nullptr;
-
-  // ---- per-row cardinality and exponent factor --------------------------------------------
-  // This lane's rows: local r(mi, hh) = warp * 16 * MI + mi * 16 + g + 8 * hh.
-  const int warp_row0 = warp * 16 * MI;
-  int64_t n_vis[MI][2];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = row0 + warp_row0 + mi * 16 + g + 8 * hh;
-      n_vis[mi][hh] = range_count(visible_range(i, len_q, kv_len, kCausal, p.window));
-    }
-  if (p.n_visible != nullptr) {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = row0 + warp_row0 + mi * 16 + g + 8 * hh;
-        if (i < len_q)
-          n_vis[mi][hh] = p.n_visible[row_offset(p.cu_seqlens_q, b, h, i, p.nv_batch_stride,
-                                                 p.nv_head_stride, p.nv_row_stride)];
-      }
-  } else if (kMask) {
-    // Count the mask over each row's visible range, one warp per row.
-    for (int rr = 0; rr < 16 * MI; ++rr) {
-      const int i = row0 + warp_row0 + rr;
-      if (i >= len_q) break;
-      const KeyRange kr = visible_range(i, len_q, kv_len, kCausal, p.window);
-      const bool* mrow = mask_ptr + int64_t(i) * p.mask_row_stride;
-      unsigned cnt = 0;
-      for (int64_t j = kr.lo + lane; j < kr.hi; j += 32) cnt += mrow[j] ? 1u : 0u;
-      cnt = __reduce_add_sync(0xffffffffu, cnt);
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          if (rr == mi * 16 + g + 8 * hh) n_vis[mi][hh] = cnt;
-    }
-  }
-  // c > 0 is kept; a row with beta * scale < 0 has its q fragment negated instead, so the
-  // running max of c * s stays the max of c times the max of s. A zero factor becomes 1e-30
-  // (the same uniform softmax, and masked scores still give 0 instead of NaN).
-  float row_c[MI][2];
-  uint32_t row_sign[MI][2];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float c = exponent_factor(query_scale(n_vis[mi][hh], p.sp, h), p.softmax_scale);
-      row_sign[mi][hh] = c < 0.f ? 0x80008000u : 0u;
-      row_c[mi][hh] = fmaxf(fabsf(c), 1e-30f);
-    }
 
   // ---- outputs of an empty CTA -------------------------------------------------------------
   const bool write_partial = split.num_splits > 1;
@@ -203,6 +157,53 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     }
   };
 
+  // ---- prologue -------------------------------------------------------------------------------
+  load_q();
+  load_kv(n_max - 1, 0);
+  cp_async_commit();
+
+  // ---- per-row cardinality and exponent factor --------------------------------------------
+  // Computed while the first copies are in flight. Warp w owns the 16 * MI <= 32 local rows
+  // warp_row0 + l; lane l computes n_i and c_i of row l once (one beta per row, not per lane
+  // of its quad), and each lane then fetches the factors of its accumulator rows
+  // r(mi, hh) = warp_row0 + mi * 16 + g + 8 * hh by shuffle.
+  static_assert(16 * MI <= 32, "one lane per row of a warp's rows");
+  const int my_i = row0 + warp_row0 + lane;
+  const bool my_row_valid = lane < 16 * MI && my_i < len_q;
+  int64_t my_n = range_count(visible_range(my_i, len_q, kv_len, kCausal, p.window));
+  if (p.n_visible != nullptr) {
+    if (my_row_valid)
+      my_n = p.n_visible[row_offset(p.cu_seqlens_q, b, h, my_i, p.nv_batch_stride,
+                                    p.nv_head_stride, p.nv_row_stride)];
+  } else if (kMask) {
+    // Count the mask over each row's visible range, the whole warp per row.
+    for (int rr = 0; rr < 16 * MI; ++rr) {
+      const int i = row0 + warp_row0 + rr;
+      if (i >= len_q) break;
+      const KeyRange kr = visible_range(i, len_q, kv_len, kCausal, p.window);
+      const bool* mrow = mask_ptr + int64_t(i) * p.mask_row_stride;
+      unsigned cnt = 0;
+      for (int64_t j = kr.lo + lane; j < kr.hi; j += 32) cnt += mrow[j] ? 1u : 0u;
+      cnt = __reduce_add_sync(0xffffffffu, cnt);
+      if (lane == rr) my_n = cnt;
+    }
+  }
+  const float my_c = exponent_factor(query_scale(my_n, p.sp, h), p.softmax_scale);
+  // c > 0 is kept; a row with beta * scale < 0 has its q fragment negated instead, so the
+  // running max of c * s stays the max of c times the max of s. A zero factor becomes 1e-30
+  // (the same uniform softmax, and masked scores still give 0 instead of NaN).
+  float row_c[MI][2];
+  uint32_t row_sign[MI][2];
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float c = __shfl_sync(0xffffffffu, my_c, mi * 16 + g + 8 * hh);
+      row_sign[mi][hh] = c < 0.f ? 0x80008000u : 0u;
+      row_c[mi][hh] = fmaxf(fabsf(c), 1e-30f);
+    }
+
+
   // ldmatrix lane addresses (see LaneTileAddr): Q as the A operand, K as B, V as B^T.
   const LaneTileAddr<D> q_addr(smem_base + 2 * Kt::kQOffset, warp_row0 + (lane & 15), lane >> 4);
   const LaneTileAddr<D> k_addr(smem_base, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
@@ -216,11 +217,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     a[1] ^= row_sign[mi][1];
     a[3] ^= row_sign[mi][1];
   };
-
-  // ---- prologue -------------------------------------------------------------------------------
-  load_q();
-  load_kv(n_max - 1, 0);
-  cp_async_commit();
 
   uint32_t q_frag[Kt::kQInRegs ? MI : 1][Kt::kQInRegs ? KQ : 1][4];
   if constexpr (Kt::kQInRegs) {
@@ -246,7 +242,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       row_l[mi][hh] = 0.f;
     }
   }
-  // Warps (and m16 fragments) whose rows all lie past len_q skip the arithmetic.
+  // Warps whose rows all lie past len_q skip the arithmetic (a warp's other m16 fragments
+  // past len_q compute on zero-filled Q rows: unguarded, the MMAs need no predicates).
   const bool warp_active = warp_row0 < rows_here;
 
   // ---- one key block ----------------------------------------------------------------------
@@ -268,8 +265,7 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       [[maybe_unused]] uint32_t a[MI][4];
       if constexpr (!Kt::kQInRegs) {
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-          if (warp_row0 + mi * 16 < rows_here) load_q_frag(a[mi], mi, kk);
+        for (int mi = 0; mi < MI; ++mi) load_q_frag(a[mi], mi, kk);
       }
 #pragma unroll
       for (int np = 0; np < NI / 2; ++np) {
@@ -277,7 +273,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         ldmatrix_x4(kb, k_addr.at(np * 16, kk) + stage_bytes);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
-          if (warp_row0 + mi * 16 >= rows_here) continue;
           if constexpr (Kt::kQInRegs) {
             Ops::mma(acc_s[mi][2 * np], q_frag[mi][kk], kb[0], kb[1]);
             Ops::mma(acc_s[mi][2 * np + 1], q_frag[mi][kk], kb[2], kb[3]);
@@ -290,13 +285,21 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
     }
 
     if constexpr (kMasked) {
+      // The first row of this lane. Under an attn_mask it goes through an opaque move: the
+      // mask row addresses below are then recomputed per masked block instead of being
+      // hoisted out of the key loop, where they would hold (or spill) registers throughout.
+      int lane_row0 = row0 + warp_row0 + g;
+      if constexpr (kMask) asm volatile("mov.b32 %0, %0;\n" : "+r"(lane_row0));
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int i = row0 + warp_row0 + mi * 16 + g + 8 * hh;
-          const KeyRange kr = visible_range(i, len_q, kv_len, kCausal, p.window);
-          const int lo = i < len_q ? int(kr.lo) : 0, hi = i < len_q ? int(kr.hi) : 0;
+          // Row i sees keys lo <= j < hi (visible_range, in int32; j >= 0 makes its clamps
+          // redundant); rows past len_q see none.
+          const int i = lane_row0 + mi * 16 + 8 * hh;
+          const int pos = i + offset;
+          const int hi = i >= len_q ? 0 : kCausal ? min(kv_len, pos + 1) : kv_len;
+          const int lo = has_window ? pos - window + 1 : 0;
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
@@ -357,7 +360,6 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
         ldmatrix_x4_trans(vb, v_addr.at(kp * 16, dp) + stage_bytes);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
-          if (warp_row0 + mi * 16 >= rows_here) continue;
           Ops::mma(acc_o[mi][2 * dp], pa[mi], vb[0], vb[1]);
           Ops::mma(acc_o[mi][2 * dp + 1], pa[mi], vb[2], vb[3]);
         }

@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -23,9 +25,18 @@ void check_launch(cudaError_t err, const char* what) {
 
 namespace {
 
-template <int kHeadDim, typename T>
-void run_config(const SharpParams& p, const SplitKV& split, cudaStream_t stream) {
-  using Kt = typename DefaultTraits<kHeadDim, T>::type;
+// Lq (varlen: max_seqlen_q) of at most kSmallM rows runs the one-warp configuration.
+bool use_small_m(const SharpParams& p) { return p.seqlen_q <= kSmallM; }
+
+// SHARPDRAFT_CUDA_TILE=alt selects AltTraits for the other calls (read at every call, so a
+// benchmark can switch it; getenv is far cheaper than a launch).
+bool use_alt_tile() {
+  const char* v = std::getenv("SHARPDRAFT_CUDA_TILE");
+  return v != nullptr && std::strcmp(v, "alt") == 0;
+}
+
+template <typename Kt>
+void run_tile(const SharpParams& p, const SplitKV& split, cudaStream_t stream) {
   const bool mask = p.mask != nullptr;
   if (p.causal) {
     if (mask) launch_sharp_fwd<Kt, true, true>(p, split, stream);
@@ -34,6 +45,13 @@ void run_config(const SharpParams& p, const SplitKV& split, cudaStream_t stream)
     if (mask) launch_sharp_fwd<Kt, false, true>(p, split, stream);
     else launch_sharp_fwd<Kt, false, false>(p, split, stream);
   }
+}
+
+template <int kHeadDim, typename T>
+void run_config(const SharpParams& p, const SplitKV& split, cudaStream_t stream) {
+  if (use_small_m(p)) run_tile<typename SmallMTraits<kHeadDim, T>::type>(p, split, stream);
+  else if (use_alt_tile()) run_tile<typename AltTraits<kHeadDim, T>::type>(p, split, stream);
+  else run_tile<typename DefaultTraits<kHeadDim, T>::type>(p, split, stream);
   if (split.num_splits > 1) launch_sharp_combine<kHeadDim, T>(p, split, stream);
 }
 
@@ -50,24 +68,32 @@ void run_dtype(const SharpParams& p, const SplitKV& split, cudaStream_t stream) 
   }
 }
 
-// Tile sizes and resident CTAs per SM of the configuration serving a head dim (the same for
+// Tile sizes and resident CTAs per SM of the configuration serving a call (the same for
 // both dtypes).
-template <int kHeadDim>
+template <typename Kt>
 void tile_shape_of(int* block_m, int* block_n, int* ctas_per_sm) {
-  using Kt = typename DefaultTraits<kHeadDim, __half>::type;
   *block_m = Kt::kBlockM, *block_n = Kt::kBlockN, *ctas_per_sm = Kt::kMinBlocksPerSm;
 }
-void tile_shape(int64_t head_dim, int* block_m, int* block_n, int* ctas_per_sm) {
-  if (head_dim == 64) tile_shape_of<64>(block_m, block_n, ctas_per_sm);
-  else if (head_dim == 128) tile_shape_of<128>(block_m, block_n, ctas_per_sm);
-  else tile_shape_of<256>(block_m, block_n, ctas_per_sm);
+template <int kHeadDim>
+void tile_shape_hdim(const SharpParams& p, int* block_m, int* block_n, int* ctas_per_sm) {
+  if (use_small_m(p))
+    tile_shape_of<typename SmallMTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
+  else if (use_alt_tile())
+    tile_shape_of<typename AltTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
+  else
+    tile_shape_of<typename DefaultTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
+}
+void tile_shape(const SharpParams& p, int* block_m, int* block_n, int* ctas_per_sm) {
+  if (p.head_dim == 64) tile_shape_hdim<64>(p, block_m, block_n, ctas_per_sm);
+  else if (p.head_dim == 128) tile_shape_hdim<128>(p, block_m, block_n, ctas_per_sm);
+  else tile_shape_hdim<256>(p, block_m, block_n, ctas_per_sm);
 }
 
 }  // namespace
 
 int sharp_fwd_num_splits(const SharpParams& p, int num_sms) {
   int block_m, block_n, ctas_per_sm;
-  tile_shape(p.head_dim, &block_m, &block_n, &ctas_per_sm);
+  tile_shape(p, &block_m, &block_n, &ctas_per_sm);
   const int64_t ctas = p.batch * p.heads_q * ((p.seqlen_q + block_m - 1) / block_m);
   const int64_t n_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int64_t slots = int64_t(num_sms) * ctas_per_sm;

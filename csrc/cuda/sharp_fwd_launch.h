@@ -8,6 +8,10 @@
 // params (csrc/sharp_params.h) holds device pointers; dtype float16 or bfloat16 and head_dim
 // 64, 128 or 256 (anything else throws std::invalid_argument naming the supported set).
 // Errors of the launch itself throw std::runtime_error with the CUDA error string.
+// Tiles (sharp_fwd_traits.h): calls with Lq (varlen: max_seqlen_q) <= kSmallM = 16 run a
+// one-warp 16-row tile (SmallMTraits), the others DefaultTraits, or AltTraits when the
+// environment variable SHARPDRAFT_CUDA_TILE=alt is set (a tuning aid for benchmarks).
+// sharp_fwd_num_splits must be called under the same environment as run_sharp_fwd.
 #pragma once
 
 #include <cuda_runtime_api.h>

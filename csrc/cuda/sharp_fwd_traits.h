@@ -67,5 +67,42 @@ struct DefaultTraits<256, Element> {
   using type = FwdTraits<256, 64, 16, 4, false, 2, Element>;
 };
 
+// An alternative prefill configuration per head dim, selected at run time with the
+// environment variable SHARPDRAFT_CUDA_TILE=alt (tuning aid: benchmarks/bench_cuda.py times
+// both on the same machine). Head dim 64: 64 x 128 tiles, one m16 fragment per warp, half
+// the softmax bookkeeping per key; head dim 128: 64 x 64 tiles of 4 warps, two CTAs per SM
+// (the same 8 warps per SM as the default, but in two independent CTAs). Head dim 256 has
+// none. (128 x 64 and 128 x 32 tiles of 4 warps with Q re-read from shared memory spill.)
+template <int kHeadDim, typename Element>
+struct AltTraits {
+  using type = typename DefaultTraits<kHeadDim, Element>::type;
+};
+template <typename Element>
+struct AltTraits<64, Element> {
+  using type = FwdTraits<64, 64, 128, 4, true, 2, Element>;
+};
+template <typename Element>
+struct AltTraits<128, Element> {
+  using type = FwdTraits<128, 64, 64, 4, true, 2, Element>;
+};
+
+// The configuration for calls whose query rows per sequence fit one m16 fragment (decode,
+// DFlash blocks: Lq <= kSmallM): one warp, 16 rows, so no warp idles on rows past Lq; the
+// small CTAs fill the SMs through split-KV (kMinBlocksPerSm of them resident, bounded by
+// shared memory). Head dim 256 keeps its default configuration.
+constexpr int kSmallM = 16;
+template <int kHeadDim, typename Element>
+struct SmallMTraits {
+  using type = typename DefaultTraits<kHeadDim, Element>::type;
+};
+template <typename Element>
+struct SmallMTraits<64, Element> {
+  using type = FwdTraits<64, kSmallM, 64, 1, true, 6, Element>;  // 32 KB shared memory
+};
+template <typename Element>
+struct SmallMTraits<128, Element> {
+  using type = FwdTraits<128, kSmallM, 64, 1, true, 3, Element>;  // 64 KB shared memory
+};
+
 }  // namespace cuda
 }  // namespace sharpdraft
