@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a fresh GPU machine: build the extensions (CPU + CUDA), run tests/test_cuda.py, run the
 # CUDA benchmark, and write everything under $OUT (default build/gpu_check):
-#   build.log, test_unsupported.log, test_cuda.log, bench.log, results_cuda.md (+ .json),
-#   nvidia-smi.txt (and segv_diag.log when the unsupported-input test crashes)
+#   build.log, smoke.log, test_unsupported.log (+ a crash diagnosis when that test crashes),
+#   test_cuda.log, bench.log, results_cuda.md (+ .json), nvidia-smi.txt: 8 files, the most
+#   the device tool brings back.
 # Env: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default nproc),
 # BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds),
 # SHARPDRAFT_COMMIT (the commit the results are written against; else `git rev-parse HEAD`).
@@ -54,8 +55,9 @@ timeout 120 "$PY" -X faulthandler -m pytest -q -p no:cacheprovider "$UNSUPPORTED
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then
   status=1
-  echo "gpu_check: $UNSUPPORTED exited with $rc; step-by-step repro in segv_diag.log"
-  cat >"$OUT/segv_diag.py" <<'PYEOF'
+  echo "gpu_check: $UNSUPPORTED exited with $rc; step-by-step repro appended to test_unsupported.log"
+  diag="$(mktemp -d)/segv_diag.py"
+  cat >"$diag" <<'PYEOF'
 import faulthandler, sys
 faulthandler.enable()
 def step(msg):
@@ -78,11 +80,13 @@ for dtype, d in ((torch.float32, 64), (torch.float16, 96), (torch.bfloat16, 96),
         step(f"raised {type(err).__name__}: {str(err)[:200]}")
 step("done")
 PYEOF
-  { timeout 60 "$PY" -X faulthandler "$OUT/segv_diag.py"; echo "exit $?";
-    if command -v gdb >/dev/null; then
-      timeout 90 gdb -q -batch -ex run -ex bt --args "$PY" "$OUT/segv_diag.py"
-    fi; } >"$OUT/segv_diag.log" 2>&1
-  tail -40 "$OUT/segv_diag.log"
+  # A host-side backtrace of the crash: gdb, or cuda-gdb (which also debugs host code).
+  gdb_bin="$(command -v gdb || command -v cuda-gdb || true)"
+  { echo "== segv_diag.py"; timeout 60 "$PY" -X faulthandler "$diag"; echo "exit $?";
+    if [[ -n "$gdb_bin" ]]; then
+      echo "== $gdb_bin backtrace"
+      timeout 60 "$gdb_bin" -q -batch -ex run -ex bt -ex "info sharedlibrary" --args "$PY" "$diag"
+    fi; } 2>&1 | tee -a "$OUT/test_unsupported.log" | tail -60
 fi
 
 echo "== test_cuda: the rest"
