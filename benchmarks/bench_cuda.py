@@ -195,7 +195,9 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
                f"{fmt(r.get('sdpa_pre_tflops'), '.1f')} |")
         if have_fa2:
             row += f" {fmt(r.get('fa2_tflops'), '.1f')} |"
-        row += f" {fmt(ratio, '.2f')}x | {fmt(ratio_pre, '.2f')}x | {fmt(cost, '+.1f')}% |"
+        row += (f" {fmt(ratio, '.2f')}{'x' if ratio else ''} |"
+                f" {fmt(ratio_pre, '.2f')}{'x' if ratio_pre else ''} |"
+                f" {fmt(cost, '+.1f')}{'%' if cost is not None else ''} |")
         if have_alt:
             row += f" {fmt(r.get('sharp_alt_tflops'), '.1f')} |"
         lines.append(row)
@@ -212,6 +214,12 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
                       f"median {sorted(costs)[len(costs) // 2] * 100:+.1f}%, "
                       f"max {max(costs) * 100:+.1f}%."]
     if have_alt:
+        best = [r["sdpa_ms"] / min(r["sharp_ms"], r.get("sharp_alt_ms") or r["sharp_ms"])
+                for r in results if r.get("sdpa_ms") and r.get("sharp_ms")]
+        if best:
+            lines += ["", f"With the faster of the default and the alt tile per shape: speed "
+                          f"ratio min {min(best):.2f}x, geomean "
+                          f"{math.exp(sum(map(math.log, best)) / len(best)):.2f}x."]
         diffs = [r["alt_maxdiff"] for r in results if "alt_maxdiff" in r]
         lines += ["", "`alt tile`: the same fixed_slope call with SHARPDRAFT_CUDA_TILE=alt "
                       "(AltTraits in csrc/cuda/sharp_fwd_traits.h: D=64 64x128 tiles, D=128 "

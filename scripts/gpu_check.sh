@@ -6,7 +6,8 @@
 #   the device tool brings back.
 # Env: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default nproc),
 # BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds),
-# SHARPDRAFT_COMMIT (the commit the results are written against; else `git rev-parse HEAD`).
+# SHARPDRAFT_COMMIT (the commit the results are written against; else `git rev-parse HEAD`),
+# TOTAL_BUDGET (seconds for the whole script: shortens the test run to keep the benchmark).
 # Pure-Python test dependencies missing on the machine may be supplied in build/gpu_pydeps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ if ! "$PY" -c "import pytest" 2>/dev/null && [[ -d build/gpu_pydeps ]]; then
   export PYTHONPATH="$PWD/build/gpu_pydeps${PYTHONPATH:+:$PYTHONPATH}"
 fi
 status=0
+script_start=$(date +%s)
 
 { nvidia-smi; "$PY" -c "import torch; print('torch', torch.__version__, torch.version.cuda)"; nvcc --version | tail -2; } \
   >"$OUT/nvidia-smi.txt" 2>&1
@@ -90,7 +92,16 @@ PYEOF
 fi
 
 echo "== test_cuda: the rest"
-timeout "${TEST_TIMEOUT:-200}" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+# With TOTAL_BUDGET (seconds for the whole script), the tests get what is left after keeping
+# BENCH_TIMEOUT + 15 s for the benchmark, so a slow build cannot crowd the benchmark out.
+test_timeout="${TEST_TIMEOUT:-200}"
+if [[ -n "${TOTAL_BUDGET:-}" ]]; then
+  left=$(( TOTAL_BUDGET - ($(date +%s) - script_start) - ${BENCH_TIMEOUT:-170} - 15 ))
+  (( left < test_timeout )) && test_timeout=$left
+  (( test_timeout < 30 )) && test_timeout=30
+  echo "tests get ${test_timeout} s"
+fi
+timeout "$test_timeout" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py \
   --deselect "$UNSUPPORTED" -rfE --maxfail=40 2>&1 | tee "$OUT/test_cuda.log" | tail -60
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
