@@ -1,0 +1,120 @@
+"""SharpConfig and the "sharp" attention implementation for transformers models.
+
+`register()` adds "sharp" to transformers' attention interface (and its mask interface, which
+then builds boolean masks, True = visible, as for SDPA), so any Hugging Face model can run its
+attention through `sharpdraft_ext.sharp_attention`:
+
+    from sharpdraft.attention import SharpConfig, register, set_sharp_config
+    register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sharp")
+    set_sharp_config(model, SharpConfig(mode="fixed_slope", slope=0.2, n_ref=2048))
+
+transformers hands the function q (B, Hq, Lq, D) and k, v (B, Hk, Lk, D) (the KV cache already
+concatenated); GQA is passed to the kernel as is. With no mask a causal module gets the kernel's
+bottom-right causal alignment (the last query sits on the last key, as in cached decoding); a
+boolean mask (causal + padding, built by transformers) is passed as attn_mask, and each row's
+cardinality n_i is counted from it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+import sharpdraft_ext as ext
+
+MODES = ("none", "fixed_slope", "exact_topk")
+
+
+@dataclass
+class SharpConfig:
+    """Parameters of cardinality-aware query scaling (SPEC §1).
+
+    mode: "fixed_slope" (beta = 1 + slope ln(n / n_ref)), "exact_topk", or "none" (beta = 1,
+    plain attention: the frozen baseline). slope: lambda. n_ref: reference cardinality (a
+    drafter's training context length). topk, contrast: k and Delta of the exact correction.
+    beta_min, beta_max: clamp of beta.
+    """
+
+    mode: str = "fixed_slope"
+    slope: float = 0.2
+    n_ref: int = 2048
+    topk: int = 32
+    contrast: float = 5.0
+    beta_min: float = 1.0
+    beta_max: float = math.inf
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"SharpConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if int(self.n_ref) < 1:
+            raise ValueError(f"SharpConfig.n_ref must be >= 1, got {self.n_ref}")
+        if not math.isfinite(self.slope):
+            raise ValueError(f"SharpConfig.slope must be finite, got {self.slope}")
+
+    def kernel_kwargs(self) -> dict:
+        """Keyword arguments of `sharpdraft_ext.sharp_attention`."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> "SharpConfig":
+        return cls(**(d or {}))
+
+
+def set_sharp_config(model: torch.nn.Module, sharp: SharpConfig) -> None:
+    """Attach `sharp` to a model loaded with attn_implementation="sharp" (stored in its config)."""
+    model.config.sharp_config = dataclasses.asdict(sharp)
+
+
+def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                            dropout: float = 0.0, scaling: Optional[float] = None,
+                            is_causal: Optional[bool] = None, **kwargs):
+    """transformers attention-interface function running `sharpdraft_ext.sharp_attention`.
+
+    Args:
+        module: the attention module; its `config.sharp_config` (a dict, see `set_sharp_config`)
+            or a `sharp_config` keyword selects the scaling, default SharpConfig().
+        query: (B, Hq, Lq, D); key, value: (B, Hk, Lk, D), Hq % Hk == 0.
+        attention_mask: None or bool, broadcastable to (B, Hq, Lq, Lk), True = visible.
+        dropout: must be 0 (inference kernel).
+        scaling: softmax scale (default 1 / sqrt(D)).
+        is_causal: overrides `module.is_causal` when no mask is given.
+
+    Returns:
+        (out (B, Lq, Hq, D) in query's dtype, None).
+
+    Raises:
+        ValueError: dropout > 0, a softcap, or a non-boolean attention_mask.
+    """
+    if dropout:
+        raise ValueError(f"sharp attention: dropout must be 0 (got {dropout}); call model.eval()")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("sharp attention: softcap is not supported")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(f"sharp attention: attention_mask must be bool (True = visible), got "
+                         f"{attention_mask.dtype}; load the model with "
+                         f"attn_implementation='sharp' after sharpdraft.attention.register()")
+    sharp = kwargs.get("sharp_config") or SharpConfig.from_dict(
+        getattr(module.config, "sharp_config", None))
+    causal = False
+    window = None
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        causal = causal and query.shape[2] > 1
+        window = kwargs.get("sliding_window") if causal else None
+    out = ext.sharp_attention(query, key, value, causal=causal, window=window,
+                              attn_mask=attention_mask, scale=scaling, **sharp.kernel_kwargs())
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = "sharp") -> None:
+    """Register `sharp_attention_forward` (and SDPA-style boolean masks) under `name`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(name, sharp_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)

@@ -1,0 +1,327 @@
+"""DFlash drafter: a block-parallel drafter conditioned on the target's hidden states.
+
+The drafter has no embedding or LM head of its own: it borrows the target's. Its context is the
+concatenation of the target's hidden states from a few evenly spaced layers, projected to the
+drafter width (linear -> RMSNorm). A draft block is the last accepted token followed by
+block_size - 1 mask tokens; a few Llama-style layers run over the block, whose queries attend
+non-causally to [context ; block] (every block row sees the whole context and the whole block,
+so its cardinality is n_i = context + block_size). Each layer projects the context with its own
+k/v projections; the drafter KV cache holds these context keys/values only (the block's are
+recomputed at every step). Attention runs through `sharpdraft_ext.sharp_attention`: a
+SharpConfig with mode="none" is the frozen drafter, mode="fixed_slope" is SharpDraft.
+
+A checkpoint is a folder with config.json (DFlashConfig) and model.safetensors (the drafter's own
+weights only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding, apply_rotary_pos_emb)
+
+import sharpdraft_ext as ext
+
+from ..attention import SharpConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
+    """Target layers whose outputs form the context: round(1 + i (L - 3) / (n - 1)), i < n.
+
+    For 30 target layers and 4 features this is [1, 10, 19, 28]. Index l is the output of
+    decoder layer l (hidden_states[l + 1] of a transformers forward with output_hidden_states).
+    """
+    if num_features < 2 or num_target_layers < 3:
+        raise ValueError(f"evenly_spaced_layers needs num_features >= 2 and num_target_layers >= 3,"
+                         f" got {num_features} and {num_target_layers}")
+    return [round(1 + i * (num_target_layers - 3) / (num_features - 1))
+            for i in range(num_features)]
+
+
+@dataclass
+class DFlashConfig:
+    """Geometry and conventions of a DFlash drafter (serialised as config.json).
+
+    hidden_size .. max_position_embeddings: the drafter's Llama geometry (by default the
+    target's). target_hidden_size: width of each target feature. target_layer_ids: target layers
+    whose outputs are concatenated into the context. block_size: b, tokens per draft block
+    (1 anchor + b - 1 drafted). mask_token_id: the target-vocabulary token filling the b - 1
+    draft slots. train_context: the context length the drafter was trained on (the default n_ref
+    of SharpDraft).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    target_layer_ids: List[int]
+    mask_token_id: int
+    num_layers: int = 2
+    block_size: int = 16
+    train_context: int = 2048
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
+                                                           "rope_theta": 10000.0})
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size must be >= 2, got {self.block_size}")
+        if self.num_layers < 1:
+            raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
+        if self.train_context < 1:
+            raise ValueError(f"DFlashConfig.train_context must be >= 1, got {self.train_context}")
+
+    @classmethod
+    def from_target(cls, target_config, *, mask_token_id: int, num_layers: int = 2,
+                    block_size: int = 16, num_features: int = 4,
+                    train_context: int = 2048) -> "DFlashConfig":
+        """A drafter at the target's width, reading `num_features` evenly spaced target layers.
+
+        Args:
+            target_config: the target's transformers config (Llama-like: hidden_size,
+                num_attention_heads, num_key_value_heads, intermediate_size, rope_parameters).
+            mask_token_id: a token id of the target's vocabulary (see `default_mask_token_id`).
+        """
+        t = target_config
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        return cls(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                   num_attention_heads=t.num_attention_heads,
+                   num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
+                   target_hidden_size=t.hidden_size,
+                   target_layer_ids=evenly_spaced_layers(t.num_hidden_layers, num_features),
+                   mask_token_id=int(mask_token_id), num_layers=num_layers,
+                   block_size=block_size, train_context=train_context,
+                   rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+                   max_position_embeddings=t.max_position_embeddings,
+                   rope_parameters=dict(t.rope_parameters))
+
+    def llama_config(self) -> LlamaConfig:
+        """The transformers LlamaConfig the drafter's layers (MLP, norms, RoPE) are built from."""
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           num_hidden_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
+                           hidden_act=self.hidden_act,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
+
+
+def default_mask_token_id(tokenizer) -> int:
+    """The mask token: the tokenizer's pad, else unk token (one that is not EOS), else its last id.
+
+    For SmolLM2 (pad = EOS = <|im_end|>) this is <|endoftext|>, id 0.
+    """
+    for tok in (tokenizer.pad_token_id, tokenizer.unk_token_id):
+        if tok is not None and tok != tokenizer.eos_token_id:
+            return int(tok)
+    return len(tokenizer) - 1
+
+
+class DFlashAttention(nn.Module):
+    """Block queries over [context ; block] keys, non-causal, through sharp attention."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
+                sharp: SharpConfig, attn_mask: Optional[torch.Tensor]):
+        q = self._heads(self.q_proj(x), self.num_heads)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, *block_rope)
+        kc = self._heads(self.k_proj(ctx), self.num_kv_heads)
+        vc = self._heads(self.v_proj(ctx), self.num_kv_heads)
+        kc = apply_rotary_pos_emb(kc, kc, *ctx_rope)[0]
+        if cache is not None:  # context keys/values only: the block is recomputed every step
+            kc, vc = cache.update(kc, vc, layer)
+        k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
+        if torch.is_grad_enabled() and q.requires_grad:
+            # the fused kernel has no backward: train through the differentiable reference
+            out = ext.reference.sharp_attention_ref(q, k, v, attn_mask=attn_mask, upcast=False,
+                                                    **sharp.kernel_kwargs())
+        else:
+            out = ext.sharp_attention(q, k, v, attn_mask=attn_mask, **sharp.kernel_kwargs())
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        llama = config.llama_config()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(llama)
+
+    def forward(self, x, ctx, block_rope, ctx_rope, cache, layer, sharp, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, cache, layer,
+                               sharp, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash drafter (see the module docstring). Build it with `DFlashDrafter(config)`.
+
+    `sharp` (a SharpConfig) selects the attention scaling at inference; its default is the
+    frozen drafter (mode "none") with n_ref = config.train_context.
+    """
+
+    def __init__(self, config: DFlashConfig, sharp: Optional[SharpConfig] = None):
+        super().__init__()
+        self.config = config
+        n_feat = len(config.target_layer_ids)
+        self.fc = nn.Linear(n_feat * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.sharp = sharp or SharpConfig(mode="none", n_ref=config.train_context)
+
+    # ----- context ------------------------------------------------------------------------
+    def context_features(self, hidden_states) -> torch.Tensor:
+        """Concatenate the target's selected layer outputs: (B, T, n_features * target_hidden).
+
+        Args:
+            hidden_states: the tuple a transformers forward returns with output_hidden_states
+                (embeddings first, so layer l's output is hidden_states[l + 1]).
+        """
+        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    # ----- forward --------------------------------------------------------------------------
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                context_features: torch.Tensor, context_positions: torch.Tensor,
+                cache: Optional[DynamicCache] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the drafter layers over a block; returns normed hidden states (B, Lb, hidden).
+
+        Args:
+            block_embeds: (B, Lb, hidden), the target's embeddings of the block tokens.
+            block_positions: (B, Lb) int64 absolute positions of the block rows (RoPE).
+            context_features: (B, Tn, n_features * target_hidden), the new context features (those
+                not yet in `cache`; may be Tn = 0 when the cache already holds them all).
+            context_positions: (B, Tn) int64 absolute positions of those features.
+            cache: drafter KV cache of context keys/values (DynamicCache), appended in place;
+                None to attend to `context_features` alone (training).
+            attn_mask: None (every row sees every key) or bool, broadcastable to
+                (B, Hq, Lb, Tctx + Lb) over [context ; block], True = visible.
+        """
+        ctx = self.hidden_norm(self.fc(context_features))
+        block_rope = self.rotary_emb(block_embeds, block_positions)
+        ctx_rope = self.rotary_emb(ctx, context_positions)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, block_rope, ctx_rope, cache, i, self.sharp, attn_mask)
+        return self.norm(x)
+
+    def block_logits(self, target, context_features: torch.Tensor, block_ids: torch.Tensor,
+                     anchors: torch.Tensor) -> torch.Tensor:
+        """Training forward: logits of many draft blocks over one sequence's context, no cache.
+
+        Block k sits at positions anchors[k] .. anchors[k] + b - 1 and sees the context features
+        of positions < anchors[k] plus its own whole block (n_i = anchors[k] + b, as at
+        inference). Row j of block k predicts the token at position anchors[k] + j (j >= 1).
+
+        Args:
+            target: the target model (its input embeddings and LM head are borrowed).
+            context_features: (T, n_features * target_hidden) for positions 0 .. T - 1.
+            block_ids: (K, b) int64 token ids: column 0 the anchor token ids[anchors[k]], the
+                others `config.mask_token_id`.
+            anchors: (K,) int64 anchor positions, each in [1, T].
+
+        Returns:
+            logits (K, b, vocab), float32.
+        """
+        K, b = block_ids.shape
+        T = context_features.shape[0]
+        if anchors.shape != (K,):
+            raise ValueError(f"anchors must have shape ({K},), got {tuple(anchors.shape)}")
+        if int(anchors.min()) < 1 or int(anchors.max()) > T:
+            raise ValueError(f"anchors must lie in [1, {T}] (context length), got "
+                             f"[{int(anchors.min())}, {int(anchors.max())}]")
+        dev = context_features.device
+        offs = torch.arange(b, device=dev)
+        block_pos = (anchors[:, None] + offs).reshape(1, K * b)
+        sees_ctx = torch.arange(T, device=dev)[None, :] < anchors[:, None]          # (K, T)
+        same_block = torch.eye(K, dtype=torch.bool, device=dev)
+        mask = torch.cat([sees_ctx.repeat_interleave(b, 0),
+                          same_block.repeat_interleave(b, 0).repeat_interleave(b, 1)], dim=1)
+        embeds = target.get_input_embeddings()(block_ids.reshape(1, K * b))
+        h = self(embeds, block_pos, context_features[None],
+                 torch.arange(T, device=dev)[None], attn_mask=mask)
+        return target.get_output_embeddings()(h).float().view(K, b, -1)
+
+    @torch.no_grad()
+    def draft_logits(self, target, last_token: int, position: int,
+                     new_context: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Inference step: logits of the b - 1 drafted tokens after `last_token`.
+
+        Args:
+            target: the target model (embeddings and LM head borrowed).
+            last_token: the last committed token id, at absolute position `position`.
+            new_context: (1, Tn, n_features * target_hidden) features of the committed positions
+                position - Tn .. position - 1 not yet in `cache` (appended to it).
+            cache: the drafter's DynamicCache (context keys only).
+
+        Returns:
+            float32 logits (b - 1, vocab); row j - 1 predicts the token at position + j.
+        """
+        b = self.config.block_size
+        dev = new_context.device
+        ids = torch.full((1, b), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = last_token
+        pos = torch.arange(position, position + b, device=dev)[None]
+        tn = new_context.shape[1]
+        ctx_pos = torch.arange(position - tn, position, device=dev)[None]
+        h = self(target.get_input_embeddings()(ids), pos, new_context, ctx_pos, cache=cache)
+        return target.get_output_embeddings()(h[0, 1:]).float()
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def save(self, folder) -> None:
+        """Write config.json and model.safetensors (the drafter's own weights) to `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()},
+                  str(folder / WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, folder, sharp: Optional[SharpConfig] = None,
+             device: Optional[torch.device] = None) -> "DFlashDrafter":
+        """Build a drafter from a folder written by `save`.
+
+        Raises:
+            FileNotFoundError: `folder` lacks config.json or model.safetensors.
+        """
+        folder = Path(folder)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
+        config = DFlashConfig(**json.loads((folder / CONFIG_FILE).read_text()))
+        model = cls(config, sharp)
+        model.load_state_dict(load_file(str(folder / WEIGHTS_FILE), device=str(device or "cpu")))
+        return model.eval()

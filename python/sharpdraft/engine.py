@@ -1,0 +1,240 @@
+"""Chain speculative decoding (batch size 1) with a DFlash drafter, and the target-only baseline.
+
+One step: the drafter proposes b - 1 tokens after the last committed token; the target runs once
+over [last token ; drafts] on top of its KV cache; the longest accepted prefix plus one token
+from the target (the correction at the first rejection, or the bonus token after a fully
+accepted block) is committed, and the target cache is cropped back past the first rejection.
+
+- temperature 0: a draft is accepted iff it equals the target's argmax, so the output is
+  token-identical to target-only greedy decoding.
+- temperature > 0: speculative sampling. Draft j is drawn from the drafter's q_j and accepted
+  with probability min(1, p_j(x) / q_j(x)); at the first rejection the token is drawn from the
+  residual norm(max(0, p_j - q_j)). The committed tokens are distributed exactly as the target's
+  own samples (p = softmax(logits / temperature)).
+
+Statistics: tau (acceptance length) is the mean number of tokens committed per verification
+forward, the target's token included, so 1 <= tau <= b. The prefill forward (which commits the
+first token) is counted in `target_forwards` but not in tau.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from transformers import DynamicCache
+
+from .drafters.dflash import DFlashDrafter
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and statistics of one generation.
+
+    tokens: the new token ids (EOS included when it ended the run). target_forwards: target
+    forwards, the prefill included. accept_lengths: tokens committed by each verification forward.
+    context_lengths: the committed length before each verification. wall_s: wall time of the
+    whole generation (prefill included).
+    """
+
+    tokens: List[int]
+    prompt_tokens: int
+    target_forwards: int
+    wall_s: float
+    block_size: int = 1
+    accept_lengths: List[int] = field(default_factory=list)
+    context_lengths: List[int] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification forward (bonus included); 1.0 for plain AR."""
+        if not self.accept_lengths:
+            return 1.0
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def acceptance_by_position(self) -> List[float]:
+        """Entry j - 1: the fraction of verification steps that accepted at least j drafts.
+
+        These add up to tau - 1 (tokens committed beyond the target's own token).
+        """
+        n = len(self.accept_lengths)
+        return [sum(a - 1 >= j for a in self.accept_lengths) / n if n else 0.0
+                for j in range(1, self.block_size)]
+
+    def tau_by_context(self, bucket: int = 1024) -> Dict[str, float]:
+        """tau per bucket of committed context length ("0-1023", "1024-2047", ...)."""
+        groups = defaultdict(list)
+        for a, c in zip(self.accept_lengths, self.context_lengths):
+            lo = c // bucket * bucket
+            groups[lo].append(a)
+        return {f"{lo}-{lo + bucket - 1}": sum(v) / len(v) for lo, v in sorted(groups.items())}
+
+    def summary(self) -> dict:
+        """JSON-ready statistics (no text)."""
+        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "target_forwards": self.target_forwards, "tau": self.tau,
+                "acceptance_by_position": self.acceptance_by_position(),
+                "tau_by_context": self.tau_by_context(), "wall_s": self.wall_s,
+                "tokens_per_s": self.tokens_per_s}
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+    """Greedy argmax at temperature 0, else a sample from softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+
+
+def _check(prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float):
+    if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
+        raise ValueError(f"prompt_ids must have shape (1, L) with L >= 1 (batch size 1), got "
+                         f"{tuple(prompt_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
+class _Progress:
+    """Optional progress callback: called with the number of newly committed tokens."""
+
+    def __init__(self, callback):
+        self.callback = callback
+
+    def __call__(self, n: int):
+        if self.callback is not None:
+            self.callback(n)
+
+
+@torch.no_grad()
+def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *,
+                            temperature: float = 0.0, eos_token_id: Optional[int] = None,
+                            generator: Optional[torch.Generator] = None,
+                            progress=None) -> GenerationResult:
+    """Target-only decoding, one token per forward over a DynamicCache (the baseline).
+
+    Args:
+        target: a transformers causal LM.
+        prompt_ids: (1, L) int64 token ids.
+        max_new_tokens: stop after this many tokens (>= 1).
+        temperature: 0 = greedy, else sampling from softmax(logits / temperature).
+        eos_token_id: stop after committing this token.
+        generator: torch.Generator for sampling.
+        progress: optional callable(n) told of every n newly committed tokens.
+    """
+    _check(prompt_ids, max_new_tokens, temperature)
+    tick = _Progress(progress)
+    start = time.perf_counter()
+    cache = DynamicCache()
+    out = target(input_ids=prompt_ids, cache=cache, use_cache=True)
+    tokens: List[int] = []
+    forwards = 1
+    while True:
+        tok = _pick(out.logits[0, -1], temperature, generator)
+        tokens.append(tok)
+        tick(1)
+        if tok == eos_token_id or len(tokens) >= max_new_tokens:
+            break
+        ids = torch.tensor([[tok]], device=prompt_ids.device)
+        out = target(input_ids=ids, cache=cache, use_cache=True)
+        forwards += 1
+    return GenerationResult(tokens, prompt_ids.shape[1], forwards, time.perf_counter() - start)
+
+
+def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.Tensor],
+            temperature: float, generator) -> List[int]:
+    """Accept a prefix of `drafts` against target logits; returns the committed tokens.
+
+    p_logits: (len(drafts) + 1, vocab), row j the target's logits for the slot of drafts[j]
+    (the last row gives the bonus token). q_probs: (len(drafts), vocab) drafter probabilities
+    (None at temperature 0).
+    """
+    out: List[int] = []
+    for j, d in enumerate(drafts):
+        if temperature == 0:
+            best = int(p_logits[j].argmax())
+            if best != d:
+                return out + [best]
+        else:
+            p = _probs(p_logits[j], temperature)
+            q = q_probs[j]
+            u = torch.rand((), generator=generator, device=p.device)
+            if not u * q[d] <= p[d]:  # reject with probability 1 - min(1, p/q)
+                residual = (p - q).clamp_min(0)   # positive somewhere since p[d] < q[d]
+                return out + [int(torch.multinomial(residual, 1, generator=generator))]
+        out.append(d)
+    return out + [_pick(p_logits[len(drafts)], temperature, generator)]
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tensor,
+                         max_new_tokens: int, *, temperature: float = 0.0,
+                         eos_token_id: Optional[int] = None,
+                         generator: Optional[torch.Generator] = None,
+                         progress=None) -> GenerationResult:
+    """Chain speculative decoding with a DFlash drafter (batch size 1), lossless.
+
+    Args:
+        target: a transformers causal LM; its hidden states feed the drafter.
+        drafter: a DFlashDrafter built for this target (its `sharp` config is used as is).
+        prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
+            `autoregressive_generate`.
+
+    Returns:
+        GenerationResult with accept_lengths / context_lengths of every verification forward.
+    """
+    _check(prompt_ids, max_new_tokens, temperature)
+    tick = _Progress(progress)
+    b = drafter.config.block_size
+    dev = prompt_ids.device
+    start = time.perf_counter()
+    cache, drafter_cache = DynamicCache(), DynamicCache()
+    out = target(input_ids=prompt_ids, cache=cache, use_cache=True,
+                 output_hidden_states=True)
+    new_context = drafter.context_features(out.hidden_states)   # positions not yet in drafter
+    last = _pick(out.logits[0, -1], temperature, generator)
+    tokens = [last]
+    tick(1)
+    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0, block_size=b)
+    while last != eos_token_id and len(tokens) < max_new_tokens:
+        committed = cache.get_seq_length()        # = position of `last`
+        d_logits = drafter.draft_logits(target, last, committed, new_context, drafter_cache)
+        if temperature == 0:
+            q_probs = None
+            drafts = d_logits.argmax(-1).tolist()
+        else:
+            q_probs = _probs(d_logits, temperature)
+            drafts = torch.multinomial(q_probs, 1, generator=generator)[:, 0].tolist()
+        ids = torch.tensor([[last] + drafts], device=dev)
+        out = target(input_ids=ids, cache=cache, use_cache=True,
+                     output_hidden_states=True)
+        result.target_forwards += 1
+        accepted = _verify(out.logits[0], drafts, q_probs, temperature, generator)
+        n_acc = len(accepted) - 1                # drafts accepted
+        if n_acc < b - 1:                         # roll back past the first rejection
+            cache.crop(-(b - 1 - n_acc))
+        new_context = drafter.context_features(out.hidden_states)[:, : n_acc + 1]
+        result.accept_lengths.append(len(accepted))
+        result.context_lengths.append(committed)
+        if eos_token_id in accepted:
+            accepted = accepted[: accepted.index(eos_token_id) + 1]
+        accepted = accepted[: max_new_tokens - len(tokens)]
+        tokens.extend(accepted)
+        tick(len(accepted))
+        last = tokens[-1]
+    result.wall_s = time.perf_counter() - start
+    return result

