@@ -44,7 +44,7 @@ def target():
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_greedy_is_token_identical_to_target_greedy(target, block_size):
     drafter = tiny_drafter(target, block_size=block_size)
-    for seed in range(3):
+    for seed in range(2):
         prompt = torch.randint(3, 256, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed))
         ref = hf_greedy(target, prompt, 24)
         spec = speculative_generate(target, drafter, prompt, 24)

@@ -1,0 +1,122 @@
+"""DFlash drafter: layer choice, cache vs training path, masking, checkpoints, sharp scaling."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from sharpdraft.attention import SharpConfig
+from sharpdraft.drafters.dflash import DFlashDrafter, evenly_spaced_layers
+from sharpdraft_helpers import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target()
+    with torch.no_grad():
+        ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+        feats = tiny_drafter(target).context_features(
+            target(ids, output_hidden_states=True).hidden_states)
+    return target, ids, feats
+
+
+def test_evenly_spaced_layers():
+    assert evenly_spaced_layers(30, 4) == [1, 10, 19, 28]
+    assert evenly_spaced_layers(4, 2) == [1, 2]
+    with pytest.raises(ValueError, match="num_features"):
+        evenly_spaced_layers(30, 1)
+
+
+def test_context_features_are_the_chosen_layers(models):
+    target, ids, feats = models
+    hs = target(ids, output_hidden_states=True).hidden_states
+    assert feats.shape == (1, 30, 2 * 64)
+    assert torch.equal(feats[..., :64], hs[2]) and torch.equal(feats[..., 64:], hs[3])
+
+
+def test_cached_drafting_equals_training_forward(models):
+    """Incremental drafting over a growing drafter cache == the uncached block forward."""
+    target, ids, feats = models
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.sharp = SharpConfig(mode="fixed_slope", slope=0.25, n_ref=8)  # beta > 1 here
+    cache, pos, logits = DynamicCache(), 0, []
+    for step in (10, 3, 1, 6):  # commit `step` new context positions, then draft after them
+        new = feats[:, pos: pos + step]
+        pos += step
+        logits.append((pos, drafter.draft_logits(target, int(ids[0, pos]), pos, new, cache)))
+    anchors = torch.tensor([p for p, _ in logits])
+    block = torch.zeros(len(anchors), 4, dtype=torch.long)
+    block[:, 0] = ids[0, anchors]
+    with torch.no_grad():
+        full = drafter.block_logits(target, feats[0], block, anchors)
+    for k, (_, lg) in enumerate(logits):
+        torch.testing.assert_close(lg, full[k, 1:], rtol=1e-4, atol=1e-4)
+
+
+def test_block_sees_only_earlier_context(models):
+    target, ids, feats = models
+    drafter = tiny_drafter(target)
+    anchors = torch.tensor([5, 17])
+    block = torch.zeros(2, 4, dtype=torch.long)
+    block[:, 0] = ids[0, anchors]
+    with torch.no_grad():
+        a = drafter.block_logits(target, feats[0], block, anchors)
+        changed = feats[0].clone()
+        changed[17:] += 3.0                       # only block 1 may not see these
+        b = drafter.block_logits(target, changed, block, anchors)
+        changed[10:] -= 1.0                       # block 1 sees positions 10..16
+        c = drafter.block_logits(target, changed, block, anchors)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a[0], c[0])
+    assert (a[1] - c[1]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="anchors"):
+        drafter.block_logits(target, feats[0], block, torch.tensor([0, 3]))
+
+
+def test_training_forward_has_gradients_and_matches_kernel(models):
+    target, ids, feats = models
+    drafter = tiny_drafter(target)
+    anchors = torch.tensor([4, 12, 25])
+    block = torch.zeros(3, 4, dtype=torch.long)
+    block[:, 0] = ids[0, anchors]
+    logits = drafter.block_logits(target, feats[0], block, anchors)   # grad: reference path
+    loss = torch.nn.functional.cross_entropy(logits[:, 1:].reshape(-1, 256),
+                                             ids[0, anchors[:, None] + torch.arange(1, 4)].reshape(-1))
+    loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in drafter.layers.parameters())
+    with torch.no_grad():                                             # fused kernel path
+        torch.testing.assert_close(drafter.block_logits(target, feats[0], block, anchors),
+                                   logits.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_sharp_scaling_changes_only_long_rows(models):
+    target, ids, feats = models
+    drafter = tiny_drafter(target)
+    anchors = torch.tensor([4, 26])          # n_i = 8 and 30
+    block = torch.zeros(2, 4, dtype=torch.long)
+    with torch.no_grad():
+        frozen = drafter.block_logits(target, feats[0], block, anchors)
+        drafter.sharp = SharpConfig(mode="fixed_slope", slope=0.3, n_ref=8)
+        sharp = drafter.block_logits(target, feats[0], block, anchors)
+    torch.testing.assert_close(frozen[0], sharp[0])  # n = n_ref: beta = 1
+    assert (frozen[1] - sharp[1]).abs().max() > 1e-3
+
+
+def test_save_load_roundtrip(models, tmp_path):
+    target, ids, feats = models
+    drafter = tiny_drafter(target, block_size=8, train_context=512)
+    drafter.save(tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["train_context"] == 512 and cfg["block_size"] == 8 and cfg["target_layer_ids"] == [1, 2]
+    keys = load_file(str(tmp_path / "ckpt" / "model.safetensors")).keys()
+    assert not any("embed" in k or "lm_head" in k for k in keys)  # target weights are borrowed
+    loaded = DFlashDrafter.load(tmp_path / "ckpt")
+    assert loaded.sharp.mode == "none" and loaded.sharp.n_ref == 512
+    block = torch.zeros(1, 8, dtype=torch.long)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.block_logits(target, feats[0], block, torch.tensor([9])),
+                                   drafter.block_logits(target, feats[0], block, torch.tensor([9])))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        DFlashDrafter.load(tmp_path / "nothing")
