@@ -87,7 +87,7 @@ PYEOF
   { echo "== segv_diag.py"; timeout 60 "$PY" -X faulthandler "$diag"; echo "exit $?";
     if [[ -n "$gdb_bin" ]]; then
       echo "== $gdb_bin backtrace"
-      timeout 60 "$gdb_bin" -q -batch -ex run -ex bt -ex "info sharedlibrary" --args "$PY" "$diag"
+      timeout 60 "$gdb_bin" -q -batch -ex run -ex bt --args "$PY" "$diag"
     fi; } 2>&1 | tee -a "$OUT/test_unsupported.log" | tail -60
 fi
 
