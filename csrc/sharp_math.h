@@ -90,10 +90,15 @@ SHARP_HD double query_scale(int64_t n, const ScaleParams& sp, int64_t head) {
                      sp.beta_max);
 }
 
-// The factor the kernels fold into the exponent: s_ij (base 2) = c_i * <q_i, k_j>,
-// c_i = beta_i * scale * log2(e).
+// The per-row factor the kernels fold into the scores, computed once per row in double.
+// Base-2 softmax (CUDA): s_ij = c_i <q_i, k_j> with c_i = beta_i * scale * log2(e).
 SHARP_HD float exponent_factor(double beta, float softmax_scale) {
   return float(beta * double(softmax_scale) * double(kLog2e));
+}
+// Natural-log softmax (CPU): c_i = beta_i * scale, exact when both are powers of two (the
+// common 1/sqrt(D) with beta = 1), so plain attention rounds no more than SDPA does.
+SHARP_HD float score_factor(double beta, float softmax_scale) {
+  return float(beta * double(softmax_scale));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -122,10 +127,15 @@ SHARP_HD float online_rescale(float& m, float block_max) {
 template <class T>
 SHARP_HD T safe_max(T m) { return m == -__builtin_inff() ? T{} : m; }
 
-// Final row values: out = acc * inv_sum, lse in natural log; empty rows give 0 and -inf.
+// Final row values: out = acc * inv_sum, lse in natural log (from a base-2 row state);
+// empty rows give 0 and -inf.
 SHARP_HD float finalize_inv_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
 SHARP_HD float finalize_lse(float m, float l) {
   return l > 0.f ? (m + log2f(l)) * kLn2 : -__builtin_inff();
+}
+// The same for a row kept in natural-log units (m a natural-log max, l a sum of exp(s - m)).
+SHARP_HD float finalize_lse_natural(float m, float l) {
+  return l > 0.f ? m + logf(l) : -__builtin_inff();
 }
 
 // Merge of split-KV partial results (each normalised, with its natural-log lse):

@@ -210,7 +210,7 @@ void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_ou
     if (r >= w.rows) continue;
     const RowInfo ri = row_info(p, w.b, w.hk, w.row0 + r, w.len_q, w.kv_len);
     const double beta = query_scale(cardinality(p, w.b, ri), p.sp, ri.h);
-    const float c = exponent_factor(beta, p.softmax_scale);
+    const float c = score_factor(beta, p.softmax_scale);
     const int64_t qo = row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.q_batch_stride,
                                   p.q_head_stride, p.q_row_stride);
     float* qr = sc.q_rows.data() + r * Dp;
@@ -243,7 +243,7 @@ void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_ou
 
   for (int64_t r = 0; r < w.rows; ++r) {
     const float inv = finalize_inv_sum(sc.l[r]);
-    const float lse = finalize_lse(sc.m[r], sc.l[r]);
+    const float lse = finalize_lse_natural(sc.m[r], sc.l[r]);
     const float* a = sc.acc.data() + r * Dp;
     if (w.slot >= 0) {  // split-KV partial: normalised output and its lse
       float* o = ws_out + (w.slot * kMaxTileRows + r) * D;

@@ -42,7 +42,7 @@ struct TileTask {
   int rows_padded = 0;          // rows rounded up to a multiple of 16
   int64_t head_dim = 0;
   int64_t dim_padded = 0;       // head_dim rounded up to a multiple of 16; acc row stride
-  const float* qt = nullptr;    // (head_dim, rows_padded): q transposed, times c_i, zero padded
+  const float* qt = nullptr;    // (head_dim, rows_padded): q^T times c_i = beta_i * scale, zero padded
   const float* q_rows = nullptr;  // (rows, dim_padded): the same q, row-major, zero padded
   const int64_t* lo = nullptr;  // first visible key of each row (within the split)
   const int64_t* hi = nullptr;  // one past the last visible key
@@ -54,7 +54,7 @@ struct TileTask {
   int64_t v_row_stride = 0;
   int64_t k_begin = 0, k_end = 0;  // union of the rows' ranges
   float* acc = nullptr;         // (rows, dim_padded) unnormalised output, zero on entry
-  float* m = nullptr;           // running max, base 2; -inf on entry
+  float* m = nullptr;           // running max of the scores (natural-log units); -inf on entry
   float* l = nullptr;           // running sum; 0 on entry
   float* scratch = nullptr;     // tile_scratch_floats() floats
 };

@@ -9,10 +9,10 @@
 //
 // Algorithm (SPEC §3), one block of kKeyBlock keys at a time:
 //   S^T = K Q^T with the SIMD lanes running over query rows (Q^T is packed once per tile and
-//   already carries c_i = beta_i * scale * log2 e, so scores are base-2 logits); K is read in
+//   already carries c_i = beta_i * scale, so the scaling costs nothing per score); K is read in
 //   place (float32) or converted once per block (16-bit); masking only on blocks some row does
-//   not fully see; online softmax in base 2, one lane per row; acc += P V with the lanes over
-//   the head dim. Register-blocked micro-kernels sized per instruction set.
+//   not fully see; online softmax (exp via a base-2 polynomial), one lane per row; acc += P V
+//   with the lanes over the head dim. Register-blocked micro-kernels sized per instruction set.
 #include <immintrin.h>
 
 #include <cmath>
@@ -80,6 +80,12 @@ struct Exp2v {
   }
 };
 
+// e^x = 2^(x log2 e). Scores stay in natural units so that s - m is formed before the
+// conversion: its rounding then scales with |s - m|, not with |s|.
+struct Expv {
+  vf operator()(vf x) const { return Exp2v{}(x * kLog2e); }
+};
+
 // ---- conversion of source rows (any of the three dtypes) to float32 ----------------------
 inline void row_to_float(const void* src, DType dt, int64_t n, float* dst) {
   if (dt == DType::kFloat32) {
@@ -117,7 +123,7 @@ inline void convert_block(const void* src, int64_t row_stride, DType dt, int64_t
 // ---- QK: st[j * Rp + r] = sum_d k[j * ks + d] * qt[d * Rp + r] ---------------------------
 // NK keys x NR row vectors; k, qt and st already point at the first key / row of the block.
 template <int NK, int NR, int kD>
-inline void qk_micro(const float* k, int64_t ks, const float* qt, int64_t Rp, int64_t D_rt,
+__attribute__((noinline)) void qk_micro(const float* k, int64_t ks, const float* qt, int64_t Rp, int64_t D_rt,
                      float* st) {
   const int64_t D = kD ? kD : D_rt;
   vf acc[NK][NR];
@@ -191,10 +197,11 @@ inline void qk_dot_row(const float* qrow, int64_t D, const float* k, int64_t ks,
 }
 
 // ---- PV: acc[r * Dp + c] += sum_j st[j * Rp + r] * v[j * vs + c] -------------------------
-// kSafe (blocks where some row of the group is masked): a weight of 0 contributes exactly 0,
-// so a NaN or inf value of a key a row cannot see never reaches that row (SPEC §5).
+// kSafe (a block holding a non-finite value, where some row of the group is masked): a weight
+// of 0 contributes exactly 0, so a NaN or inf value of a key a row cannot see never reaches that
+// row (SPEC §5). The micro-kernels are kept out of line so each gets the whole register file.
 template <int R, int NV, bool kSafe>
-inline void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, int nk, float* acc,
+__attribute__((noinline)) void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, int nk, float* acc,
                      int64_t Dp) {
   vf a[R][NV];
   for (int r = 0; r < R; ++r)
@@ -263,12 +270,12 @@ inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, bool ful
     bmax = x > bmax ? x : bmax;
   }
   vf m = load(t.m + r0);
-  const vf alpha = online_rescale(m, bmax, Exp2v{});
+  const vf alpha = online_rescale(m, bmax, Expv{});
   store(t.m + r0, m);
   const vf ms = safe_max(m);
   vf sum = vf{};
   for (int j = 0; j < nk; ++j) {
-    const vf p = Exp2v{}(load(st + j * Rp + r0) - ms);
+    const vf p = Expv{}(load(st + j * Rp + r0) - ms);
     store(st + j * Rp + r0, p);
     sum += p;
   }
@@ -279,6 +286,20 @@ inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, bool ful
     const vf av = splat(alpha[i]);
     for (int64_t c = 0; c < t.dim_padded; c += VW) store(a + c, load(a + c) * av);
   }
+}
+
+// No NaN or inf among the first nk rows (Dp floats each) of a value block.
+inline bool all_finite(const float* v, int64_t vs, int nk, int64_t Dp) {
+  const vf big = splat(3.4028234663852886e38f);
+  vi ok = vi{} - 1;
+  for (int j = 0; j < nk; ++j)
+    for (int64_t c = 0; c < Dp; c += VW) {
+      const vf x = load(v + j * vs + c);
+      ok &= (x <= big) & (x >= -big);  // false for NaN and +-inf
+    }
+  for (int i = 0; i < VW; ++i)
+    if (!ok[i]) return false;
+  return true;
 }
 
 inline bool sees_block(const TileTask& t, int r, int64_t k0, int nk) {
@@ -338,19 +359,22 @@ void attend(const TileTask& t) {
       softmax_rows(t, r0, k0, nk, full, st);
     }
     // acc += P V, head-dim chunks outermost so each chunk of V stays in L1 across row groups.
-    bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {};
+    bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {}, any_masked = false;
     for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
       for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) {
         group_live[g] |= sees_block(t, r, k0, nk);
         group_masked[g] |= !sees_all(t, r, k0, nk);
       }
+      any_masked |= group_live[g] && group_masked[g];
     }
+    const bool v_finite = !any_masked || all_finite(v, vs, nk, Dp);
     for (int64_t c = 0; c < Dp; c += PV_DV * VW) {
       const int nv = static_cast<int>((Dp - c) / VW < PV_DV ? (Dp - c) / VW : PV_DV);
       for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
         const int nr = t.rows - r0 < PV_ROWS ? t.rows - r0 : PV_ROWS;
         if (group_live[g]) {
-          pv_rows(nr, nv, group_masked[g], st + r0, Rp, v + c, vs, nk, t.acc + r0 * Dp + c, Dp);
+          pv_rows(nr, nv, group_masked[g] && !v_finite, st + r0, Rp, v + c, vs, nk,
+                  t.acc + r0 * Dp + c, Dp);
         }
       }
     }

@@ -37,6 +37,7 @@ static void test_query_scale() {
   CHECK_NEAR(query_scale(4096, sp, 0), 1.0 + double(0.1f) * 0.693147180560, 1e-9);
   // c_i = beta * scale * log2(e)
   CHECK_NEAR(exponent_factor(2.0, 0.125f), 0.360673760222, 1e-7);
+  CHECK(score_factor(1.0, 0.125f) == 0.125f);  // exact: no rounding for plain attention
 }
 
 static void test_visible_range() {
@@ -71,6 +72,8 @@ static void test_online_softmax() {
   l = l * alpha + exp2f(5.f - safe_max(m));
   CHECK_NEAR(l, 1.4375, 1e-6);
   CHECK_NEAR(finalize_lse(m, l), 3.828641396490, 1e-6);  // ln 46
+  // natural-log row state: scores ln 2, ln 8, ln 4, ln 32 -> m = ln 32, l = 46 / 32
+  CHECK_NEAR(finalize_lse_natural(3.465735903f, 1.4375f), 3.828641396490, 1e-6);
   CHECK_NEAR(finalize_inv_sum(l), 1.0 / 1.4375, 1e-7);
   // a row that saw only masked keys
   float m0 = -__builtin_inff(), l0 = 0.f;
@@ -78,6 +81,7 @@ static void test_online_softmax() {
   CHECK(alpha == 0.f && m0 == -__builtin_inff() && safe_max(m0) == 0.f);
   CHECK(exp2f(-__builtin_inff() - safe_max(m0)) == 0.f);
   CHECK(finalize_lse(m0, l0) == -__builtin_inff() && finalize_inv_sum(l0) == 0.f);
+  CHECK(finalize_lse_natural(m0, l0) == -__builtin_inff());
 }
 
 static void test_lse_merge() {
