@@ -28,6 +28,12 @@ script_start=$(date +%s)
 cat "$OUT/nvidia-smi.txt"
 
 echo "== build"
+# Build with the system compiler: one GPU image sets CXX to a wrapper that links libstdc++
+# statically into each extension, whose private, uninitialised locale then crashes the process
+# the first time an error message formats a number (benchmarks/results_cuda_h200.md).
+if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
 start=$(date +%s)
 if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"
@@ -35,6 +41,12 @@ if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
+for so in sharpdraft_ext/_C*.so sharpdraft_ext/_cuda*.so; do
+  if ! ldd "$so" | grep -q "libstdc++"; then
+    echo "gpu_check: $so does not link libstdc++ dynamically (static copy: errors would crash); set CXX"
+    exit 1
+  fi
+done
 grep -iE "spill|warning" "$OUT/build.log" | grep -v "0 bytes spill" | head -20
 
 echo "== smoke"
