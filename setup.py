@@ -29,7 +29,9 @@ def _cxx_std():
         return "-std=c++17"
 
 
-CXX_FLAGS = ["-O3", _cxx_std(), "-ffp-contract=fast", "-Wall", "-Wno-unknown-pragmas"]
+# -fopenmp: at::parallel_for is an inline OpenMP template; without it the kernel runs serially.
+# (GOMP symbols resolve to the libgomp that torch itself loads.)
+CXX_FLAGS = ["-O3", _cxx_std(), "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 
 
 def _cuda_wanted():

@@ -50,7 +50,7 @@ if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
     git ls-files -z | xargs -0 cp --parents -t "$work/src"  # tracked sources, no in-tree build
     (cd "$work/src" && CUDA_HOME="$CUDA_ROOT" SHARPDRAFT_CUDA=1 \
       TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" \
-      "$work/venv/bin/pip" install -q --no-build-isolation .)
+      "$work/venv/bin/pip" install -q --no-build-isolation --no-deps .)
     (cd "$work" && "$work/venv/bin/python" -c "import torch, sharpdraft_ext as e
 assert e.HAS_CUDA_KERNELS, 'the CUDA extension was not built'
 print('CUDA extension imports; GPU available:', torch.cuda.is_available())")
