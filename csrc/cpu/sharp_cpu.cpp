@@ -89,6 +89,17 @@ inline int64_t cardinality(const SharpParams& p, int64_t b, const RowInfo& r) {
   return n;
 }
 
+// n_i of every row of (batch, kv head) bh = b * Hk + hk, written like lse (SharpParams strides).
+void count_rows(const SharpParams& p, int64_t bh, int64_t* counts) {
+  const int64_t G = p.heads_q / p.heads_k, b = bh / p.heads_k, hk = bh % p.heads_k;
+  const int64_t len_q = seqlen_q_of(p, b), kv_len = seqlen_k_of(p, b);
+  for (int64_t row = 0; row < len_q * G; ++row) {
+    const RowInfo ri = row_info(p, b, hk, row, len_q, kv_len);
+    counts[row_offset(p.cu_seqlens_q, b, ri.h, ri.i, p.lse_batch_stride, p.lse_head_stride,
+                      p.lse_row_stride)] = cardinality(p, b, ri);
+  }
+}
+
 // ---- work decomposition ------------------------------------------------------------------
 struct WorkItem {
   int64_t b, hk, row0, rows, len_q, kv_len;
@@ -185,7 +196,9 @@ void run_dynamic(int64_t n, int num_threads, const ParallelFor& pf, int64_t dp, 
   }
 }
 
-void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_out, float* ws_lse) {
+// counts: n_i of every dense row (b, h, i) when a mask is given (counted once, not per split).
+void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts, Scratch& sc,
+              float* ws_out, float* ws_lse) {
   const int64_t D = p.head_dim, Dp = (D + 15) / 16 * 16;
   const int64_t Rp = (w.rows + 15) / 16 * 16;
   const int64_t eb = elem_bytes(p.dtype);
@@ -209,7 +222,9 @@ void run_item(const SharpParams& p, const WorkItem& w, Scratch& sc, float* ws_ou
     sc.mask_rows[r] = nullptr;
     if (r >= w.rows) continue;
     const RowInfo ri = row_info(p, w.b, w.hk, w.row0 + r, w.len_q, w.kv_len);
-    const double beta = query_scale(cardinality(p, w.b, ri), p.sp, ri.h);
+    const int64_t n = counts ? counts[(w.b * p.heads_q + ri.h) * p.seqlen_q + ri.i]
+                             : cardinality(p, w.b, ri);
+    const double beta = query_scale(n, p.sp, ri.h);
     const float c = score_factor(beta, p.softmax_scale);
     const int64_t qo = row_offset(p.cu_seqlens_q, w.b, ri.h, ri.i, p.q_batch_stride,
                                   p.q_head_stride, p.q_row_stride);
@@ -294,11 +309,23 @@ const char* isa_name() { return isa().name; }
 void sharp_attention_forward(const SharpParams& p, int num_threads, const ParallelFor& pf) {
   const Plan plan = make_plan(p, num_threads);
   const int64_t Dp = (p.head_dim + 15) / 16 * 16;
+  // With a mask, count each row's visible keys once up front (dense layout: masks are dense).
+  std::vector<int64_t> counts;
+  if (p.mask && !p.n_visible) {
+    counts.resize(p.batch * p.heads_q * p.seqlen_q);
+    SharpParams cp = p;
+    cp.lse_batch_stride = p.heads_q * p.seqlen_q;
+    cp.lse_head_stride = p.seqlen_q;
+    cp.lse_row_stride = 1;
+    run_dynamic(p.batch * p.heads_k, num_threads, pf, Dp,
+                [&](int64_t bh, Scratch&) { count_rows(cp, bh, counts.data()); });
+  }
+  const int64_t* cnt = counts.empty() ? nullptr : counts.data();
   std::vector<float> ws_out(plan.slots * kMaxTileRows * p.head_dim);
   std::vector<float> ws_lse(plan.slots * kMaxTileRows);
   run_dynamic(static_cast<int64_t>(plan.items.size()), num_threads, pf, Dp,
               [&](int64_t i, Scratch& sc) {
-                run_item(p, plan.items[i], sc, ws_out.data(), ws_lse.data());
+                run_item(p, plan.items[i], cnt, sc, ws_out.data(), ws_lse.data());
               });
   run_dynamic(static_cast<int64_t>(plan.merges.size()), num_threads, pf, Dp,
               [&](int64_t i, Scratch& sc) {
@@ -307,17 +334,7 @@ void sharp_attention_forward(const SharpParams& p, int num_threads, const Parall
 }
 
 void visible_counts(const SharpParams& p, int64_t* counts) {
-  const int64_t G = p.heads_q / p.heads_k;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t len_q = seqlen_q_of(p, b), kv_len = seqlen_k_of(p, b);
-    for (int64_t hk = 0; hk < p.heads_k; ++hk) {
-      for (int64_t row = 0; row < len_q * G; ++row) {
-        const RowInfo ri = row_info(p, b, hk, row, len_q, kv_len);
-        counts[row_offset(p.cu_seqlens_q, b, ri.h, ri.i, p.lse_batch_stride, p.lse_head_stride,
-                          p.lse_row_stride)] = cardinality(p, b, ri);
-      }
-    }
-  }
+  for (int64_t bh = 0; bh < p.batch * p.heads_k; ++bh) count_rows(p, bh, counts);
 }
 
 }  // namespace cpu

@@ -251,10 +251,14 @@ inline void pv_rows(int nr_left, int nv, bool safe, const float* pt, int64_t Rp,
 // ---- online softmax over one row vector (lanes = rows r0 .. r0 + VW) ----------------------
 // Masks what each row cannot see (unless `full`), turns scores into weights in place, updates
 // m and l, and rescales the rows' accumulators.
-inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, bool full, float* st) {
+inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, const bool* row_full,
+                         float* st) {
   const int64_t Rp = t.rows_padded;
+  bool full = true;  // padding rows are left unmasked: their weights are never used
+  for (int r = r0; r < r0 + VW && r < t.rows; ++r) full &= row_full[r];
   if (!full) {
     for (int r = r0; r < r0 + VW; ++r) {
+      if (r < t.rows && row_full[r]) continue;
       const int64_t lo = t.lo[r], hi = t.hi[r];
       const bool* mrow = t.mask_rows && r < t.rows ? t.mask_rows[r] : nullptr;
       for (int j = 0; j < nk; ++j) {
@@ -305,9 +309,24 @@ inline bool all_finite(const float* v, int64_t vs, int nk, int64_t Dp) {
 inline bool sees_block(const TileTask& t, int r, int64_t k0, int nk) {
   return t.lo[r] < k0 + nk && t.hi[r] > k0;
 }
-// Row r sees every key of the block: no masking needed.
+// n bytes of a bool mask row are all true (8 at a time).
+inline bool all_true(const bool* m, int n) {
+  constexpr uint64_t kOnes = 0x0101010101010101ull;
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t w;
+    memcpy(&w, m + j, 8);
+    if (w != kOnes) return false;
+  }
+  for (; j < n; ++j)
+    if (!m[j]) return false;
+  return true;
+}
+
+// Row r sees every key of the block: no masking needed (a tree mask's prefix blocks, say).
 inline bool sees_all(const TileTask& t, int r, int64_t k0, int nk) {
-  return !t.mask_rows && t.lo[r] <= k0 && t.hi[r] >= k0 + nk;
+  return t.lo[r] <= k0 && t.hi[r] >= k0 + nk &&
+         (!t.mask_rows || all_true(t.mask_rows[r] + k0, nk));
 }
 
 template <int kD>
@@ -351,19 +370,17 @@ void attend(const TileTask& t) {
     if (t.rows <= kDotRows && chunk_live[0]) {
       for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * Dp, D, k, ks, nk, st + r, Rp);
     }
+    bool row_full[kMaxTileRows];
+    for (int r = 0; r < t.rows; ++r) row_full[r] = sees_all(t, r, k0, nk);
     for (int r0 = 0; r0 < Rp; r0 += VW) {
-      if (!chunk_live[r0 / (QK_RV * VW)]) continue;
-      // Padding rows are left unmasked: their weights are never used.
-      bool full = true;
-      for (int r = r0; r < r0 + VW && r < t.rows && full; ++r) full = sees_all(t, r, k0, nk);
-      softmax_rows(t, r0, k0, nk, full, st);
+      if (chunk_live[r0 / (QK_RV * VW)]) softmax_rows(t, r0, k0, nk, row_full, st);
     }
     // acc += P V, head-dim chunks outermost so each chunk of V stays in L1 across row groups.
     bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {}, any_masked = false;
     for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
       for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) {
         group_live[g] |= sees_block(t, r, k0, nk);
-        group_masked[g] |= !sees_all(t, r, k0, nk);
+        group_masked[g] |= !row_full[r];
       }
       any_masked |= group_live[g] && group_masked[g];
     }
