@@ -217,7 +217,8 @@ def run_one(s: Shape, dtype: torch.dtype, methods: List[str], repeats: int, warm
     res = Result(s.name, s.label(), str(dtype).replace("torch.", ""), gflop)
     # Methods take turns within each repeat, so a load spike from elsewhere hits them alike.
     for m in methods:
-        time_ms(fns[m], 0, warmup)
+        for _ in range(warmup):
+            fns[m]()
     times: Dict[str, List[float]] = {m: [] for m in methods}
     for _ in range(repeats):
         for m in methods:
