@@ -100,7 +100,7 @@ inline void check_window(bool causal, std::optional<int64_t> window) {
 // beta(n) arguments (SPEC §1, §5); fills `sp` and returns the per-head slope tensor (if any)
 // converted to float32 on `device`.
 inline std::optional<at::Tensor> check_scale_args(
-    ScaleParams& sp, std::optional<double>& scale, c10::string_view mode, double slope,
+    ScaleParams& sp, std::optional<double> scale, c10::string_view mode, double slope,
     const std::optional<at::Tensor>& slope_per_head, int64_t n_ref, int64_t topk, double contrast,
     double beta_min, double beta_max, int64_t heads_q, at::Device device) {
   sp.mode = parse_mode(mode);
@@ -159,9 +159,8 @@ inline at::Tensor check_n_visible(const at::Tensor& nv, at::IntArrayRef shape, a
   return e;
 }
 
-inline void set_scale_and_nv(Prepared& pr, std::optional<double> scale, int64_t d) {
-  pr.params.softmax_scale =
-      static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(d)));
+inline float softmax_scale(std::optional<double> scale, int64_t d) {
+  return static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(d)));
 }
 
 }  // namespace detail
@@ -254,7 +253,7 @@ inline Prepared prepare_dense(const at::Tensor& q, const at::Tensor& k, const at
     p.sp.slope_per_head = slope_t->data_ptr<float>();
     pr.keep.push_back(*slope_t);
   }
-  detail::set_scale_and_nv(pr, scale, D);
+  p.softmax_scale = detail::softmax_scale(scale, D);
   return pr;
 }
 
@@ -350,7 +349,7 @@ inline Prepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const a
     p.sp.slope_per_head = slope_t->data_ptr<float>();
     pr.keep.push_back(*slope_t);
   }
-  detail::set_scale_and_nv(pr, scale, D);
+  p.softmax_scale = detail::softmax_scale(scale, D);
   return pr;
 }
 

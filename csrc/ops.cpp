@@ -66,10 +66,9 @@ at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double sl
                            int64_t topk, double contrast, double beta_min, double beta_max) {
   TORCH_CHECK_VALUE(at::isIntegralType(n.scalar_type(), /*includeBool=*/false),
                     "n must be an integer tensor of cardinalities, got ", n.scalar_type());
-  std::optional<double> no_scale;
   ScaleParams sp;
   const int64_t hq = slope_per_head.has_value() ? slope_per_head->numel() : 1;
-  auto slope_t = detail::check_scale_args(sp, no_scale, mode, slope, slope_per_head, n_ref, topk,
+  auto slope_t = detail::check_scale_args(sp, std::nullopt, mode, slope, slope_per_head, n_ref, topk,
                                           contrast, beta_min, beta_max, hq, n.device());
   int64_t lq = 1;
   if (slope_t.has_value()) {
