@@ -1,6 +1,7 @@
 """`sharpdraft bench`: target-only AR vs frozen DFlash vs DFlash + SharpDraft on real prompts.
 
-Prompts: KJV passages (Debian `bible-kjv`, public domain, printed by its `bible` tool) cut to a
+Prompts: KJV passages (Genesis, public domain; the copy shipped in sharpdraft/assets, from Debian's
+`bible-kjv-text`, read through `sharpdraft.data`, so no root or `bible` tool is needed) cut to a
 given number of tokens and followed by a task, and competition maths problems from the PyPI
 package `champ-dataset`. Each prompt runs the three methods in the same process; the results go
 to bench.json, bench.md (a Markdown table) and tau_vs_context.png.
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import shutil
-import subprocess
 from pathlib import Path
 from typing import List
 
@@ -18,27 +17,20 @@ import matplotlib
 import torch
 from tqdm import tqdm
 
+from . import data
 from .attention import SharpConfig
 from .engine import autoregressive_generate, speculative_generate
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-KJV_RANGE = "Gen 1:1-50:26"
+KJV_BOOK = "Ge"  # Genesis 1:1-50:26, held out from drafter training
 KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
 
 
-def kjv_text(verses: str = KJV_RANGE) -> str:
-    """KJV verses as plain text (verse references dropped), via the `bible` tool.
-
-    Raises:
-        FileNotFoundError: the `bible` tool is missing (apt-get install bible-kjv).
-    """
-    tool = shutil.which("bible")
-    if tool is None:
-        raise FileNotFoundError("sharpdraft bench needs the KJV text: apt-get install bible-kjv")
-    out = subprocess.run([tool, "-f", verses], check=True, capture_output=True, text=True).stdout
-    return "\n".join(line.split(" ", 1)[1] for line in out.splitlines() if " " in line)
+def kjv_text(book: str = KJV_BOOK) -> str:
+    """KJV verses of one book as plain text, one verse per line (references dropped)."""
+    return data.kjv_text(book)
 
 
 def maths_problems(n: int) -> List[str]:

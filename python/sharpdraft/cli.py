@@ -144,16 +144,23 @@ def parser() -> argparse.ArgumentParser:
                    help="KJV passage lengths in tokens")
     b.add_argument("--maths", type=int, default=4, help="number of champ-dataset problems")
     b.add_argument("--out", default="bench-results", help="output folder")
+    t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
+    from .train_dflash import add_arguments as _train_arguments
+    _train_arguments(t)
     return p
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parser().parse_args(argv)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.command == "bench":
         cmd_bench(args)
+        return 0
+    if args.command == "train":
+        from .train_dflash import main as train_main
+        train_main(args)
         return 0
     report = cmd_generate(args)
     if args.json:
