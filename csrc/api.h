@@ -159,8 +159,15 @@ inline at::Tensor check_n_visible(const at::Tensor& nv, at::IntArrayRef shape, a
   return e;
 }
 
-inline float softmax_scale(std::optional<double> scale, int64_t d) {
-  return static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(d)));
+// The per-head slopes (kept alive by pr) and the softmax scale, default 1 / sqrt(D).
+inline void set_scaling(Prepared& pr, const std::optional<at::Tensor>& slope_per_head,
+                        std::optional<double> scale, int64_t d) {
+  if (slope_per_head.has_value()) {
+    pr.params.sp.slope_per_head = slope_per_head->data_ptr<float>();
+    pr.keep.push_back(*slope_per_head);
+  }
+  pr.params.softmax_scale =
+      static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(d)));
 }
 
 }  // namespace detail
@@ -249,11 +256,7 @@ inline Prepared prepare_dense(const at::Tensor& q, const at::Tensor& k, const at
     p.nv_batch_stride = nv.stride(0); p.nv_head_stride = nv.stride(1); p.nv_row_stride = nv.stride(2);
     pr.keep.push_back(nv);
   }
-  if (slope_t.has_value()) {
-    p.sp.slope_per_head = slope_t->data_ptr<float>();
-    pr.keep.push_back(*slope_t);
-  }
-  p.softmax_scale = detail::softmax_scale(scale, D);
+  detail::set_scaling(pr, slope_t, scale, D);
   return pr;
 }
 
@@ -345,11 +348,7 @@ inline Prepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const a
     p.nv_head_stride = nv.stride(1); p.nv_row_stride = nv.stride(0);
     pr.keep.push_back(nv);
   }
-  if (slope_t.has_value()) {
-    p.sp.slope_per_head = slope_t->data_ptr<float>();
-    pr.keep.push_back(*slope_t);
-  }
-  p.softmax_scale = detail::softmax_scale(scale, D);
+  detail::set_scaling(pr, slope_t, scale, D);
   return pr;
 }
 

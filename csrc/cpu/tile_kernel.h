@@ -120,6 +120,20 @@ inline void convert_block(const void* src, int64_t row_stride, DType dt, int64_t
   }
 }
 
+// Rows k0 .. k0 + nk of K or V as float32: read in place when `in_place` (a float32 source),
+// else converted into buf (row stride Dp). Sets `stride` to the row stride of the result.
+inline const float* block_rows(const void* src, int64_t row_stride, bool in_place, DType dt,
+                               int64_t k0, int nk, int64_t D, int64_t Dp, float* buf,
+                               int64_t& stride) {
+  if (in_place) {
+    stride = row_stride;
+    return static_cast<const float*>(src) + k0 * row_stride;
+  }
+  convert_block(src, row_stride, dt, k0, nk, D, Dp, buf);
+  stride = Dp;
+  return buf;
+}
+
 // ---- QK: st[j * Rp + r] = sum_d k[j * ks + d] * qt[d * Rp + r] ---------------------------
 // NK keys x NR row vectors; k, qt and st already point at the first key / row of the block.
 template <int NK, int NR, int kD>
@@ -339,22 +353,9 @@ void attend(const TileTask& t) {
   const bool v_in_place = f32 && D == Dp;  // float32 values read where they are
   for (int64_t k0 = t.k_begin; k0 < t.k_end; k0 += BK) {
     const int nk = static_cast<int>(t.k_end - k0 < BK ? t.k_end - k0 : BK);
-    const float* k = kb;
-    int64_t ks = Dp;
-    if (f32) {
-      k = static_cast<const float*>(t.k) + k0 * t.k_row_stride;
-      ks = t.k_row_stride;
-    } else {
-      convert_block(t.k, t.k_row_stride, t.dtype, k0, nk, D, Dp, kb);
-    }
-    const float* v = vb;
-    int64_t vs = Dp;
-    if (v_in_place) {
-      v = static_cast<const float*>(t.v) + k0 * t.v_row_stride;
-      vs = t.v_row_stride;
-    } else {
-      convert_block(t.v, t.v_row_stride, t.dtype, k0, nk, D, Dp, vb);
-    }
+    int64_t ks, vs;
+    const float* k = block_rows(t.k, t.k_row_stride, f32, t.dtype, k0, nk, D, Dp, kb, ks);
+    const float* v = block_rows(t.v, t.v_row_stride, v_in_place, t.dtype, k0, nk, D, Dp, vb, vs);
     // Scores for row chunks of QK_RV vectors; chunks whose rows all miss the block are skipped.
     bool chunk_live[kMaxTileRows] = {};
     for (int c = 0, ci = 0; c < Rp; c += QK_RV * VW, ++ci) {
