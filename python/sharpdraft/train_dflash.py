@@ -168,10 +168,12 @@ def evaluate(drafter: DFlashDrafter, target, cache: Dict[str, torch.Tensor], blo
 
 
 # ----- training -----------------------------------------------------------------------------------
-def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+def lr_at(step: int, steps: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 0 over the steps or the time budget, whichever
+    runs out first (time_frac = elapsed / max_seconds)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
+    t = max((step - warmup) / max(1, steps - warmup), time_frac)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
@@ -252,8 +254,9 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
         ids = train_cache["ids"][s]
         anchors = sample_anchors(ids.shape[0], b, blocks, gen)
         block, rows = block_batch(ids, anchors, b, mask_id)
+        time_frac = (time.time() - t0) / max_seconds if max_seconds else 0.0
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr_at(step, steps, lr, warmup, time_frac)
         logits = drafter.block_logits(target, train_cache["feats"][s].float(), block, anchors)
         loss, per_row = distill_loss(logits[:, 1:], train_cache["top_p"][s][rows],
                                      train_cache["top_i"][s][rows], w)
@@ -303,7 +306,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="initialise drafter layers from the target's last layers, or randomly")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop training after this long (the best checkpoint is kept)")
+                   help="time budget of the training loop: the cosine schedule ends at the "
+                        "steps or this budget, whichever comes first (best checkpoint kept)")
     p.add_argument("--cache-only", action="store_true",
                    help="build the feature caches and stop (a later run with the same data "
                         "options reuses them)")
