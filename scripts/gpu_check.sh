@@ -5,7 +5,8 @@
 #   test_cuda.log, bench.log, results_cuda.md (+ .json), nvidia-smi.txt: 8 files, the most
 #   the device tool brings back.
 # Env: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default nproc),
-# BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds),
+# BENCH_ARGS (extra bench_cuda.py arguments), TEST_TIMEOUT / BENCH_TIMEOUT (seconds; BENCH_TIMEOUT=0
+# skips the benchmark),
 # SHARPDRAFT_COMMIT (the commit the results are written against; else `git rev-parse HEAD`),
 # TOTAL_BUDGET (seconds for the whole script: shortens the test run to keep the benchmark).
 # Pure-Python test dependencies missing on the machine may be supplied in build/gpu_pydeps.
@@ -117,6 +118,10 @@ timeout "$test_timeout" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider t
   --deselect "$UNSUPPORTED" -rfE --maxfail=40 2>&1 | tee "$OUT/test_cuda.log" | tail -60
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
+if [[ "${BENCH_TIMEOUT:-170}" == 0 ]]; then
+  echo "gpu_check: benchmark skipped (BENCH_TIMEOUT=0); done (status $status)"
+  exit $status
+fi
 echo "== benchmark"
 if [[ -z "${SHARPDRAFT_COMMIT:-}" ]]; then
   SHARPDRAFT_COMMIT="$(git rev-parse --short HEAD 2>/dev/null || true)"
