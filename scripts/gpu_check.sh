@@ -104,7 +104,7 @@ PYEOF
     fi; } 2>&1 | tee -a "$OUT/test_unsupported.log" | tail -60
 fi
 
-echo "== test_cuda: the rest"
+echo "== test_cuda (the rest) and test_errors (error messages: a broken C++ runtime shows here)"
 # With TOTAL_BUDGET (seconds for the whole script), the tests get what is left after keeping
 # BENCH_TIMEOUT + 15 s for the benchmark, so a slow build cannot crowd the benchmark out.
 test_timeout="${TEST_TIMEOUT:-200}"
@@ -114,7 +114,7 @@ if [[ -n "${TOTAL_BUDGET:-}" ]]; then
   (( test_timeout < 30 )) && test_timeout=30
   echo "tests get ${test_timeout} s"
 fi
-timeout "$test_timeout" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+timeout "$test_timeout" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_errors.py \
   --deselect "$UNSUPPORTED" -rfE --maxfail=40 2>&1 | tee "$OUT/test_cuda.log" | tail -60
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
