@@ -35,7 +35,11 @@ constexpr int BK = kKeyBlock;
 // Micro-kernel shapes: accumulators plus operands must fit the register file (32 vector
 // registers with AVX-512, 16 below; AVX-512 also broadcasts straight from memory).
 constexpr bool kWide = VW >= 16;
-constexpr int QK_KEYS = 6;               // keys per QK micro-kernel
+// Keys per QK micro-kernel for NR row vectors: enough independent accumulators (>= 8) to hide
+// the FMA latency when few rows leave few row vectors, within the register budget.
+constexpr int qk_keys_for(int nr) {
+  return kWide ? (nr >= 4 ? 6 : nr == 3 ? 8 : 12) : (nr >= 2 ? 6 : 12);
+}
 constexpr int QK_RV = kWide ? 4 : 2;     // row vectors per QK micro-kernel
 constexpr int PV_ROWS = kWide ? 6 : 3;   // rows per PV micro-kernel
 constexpr int PV_DV = kWide ? 4 : 3;     // head-dim vectors per PV micro-kernel
@@ -156,24 +160,15 @@ __attribute__((noinline)) void qk_micro(const float* k, int64_t ks, const float*
 }
 
 // Picks the micro-kernel for nk_left (<= NK) keys at compile time.
-template <int NR, int kD, int NK = QK_KEYS>
-inline void qk_keys(int nk_left, const float* k, int64_t ks, const float* qt, int64_t Rp,
-                    int64_t D, float* st) {
-  if (nk_left == NK) {
-    qk_micro<NK, NR, kD>(k, ks, qt, Rp, D, st);
-  } else if constexpr (NK > 1) {
-    qk_keys<NR, kD, NK - 1>(nk_left, k, ks, qt, Rp, D, st);
-  }
-}
-
+// Full micro-kernels of qk_keys_for(NR) keys, then the remaining keys one at a time.
 template <int kD, int NR = QK_RV>
 inline void qk_rows(int nr_left, int nk, const float* k, int64_t ks, const float* qt, int64_t Rp,
                     int64_t D, float* st) {
   if (nr_left == NR) {
-    for (int j = 0; j < nk; j += QK_KEYS) {
-      const int n = nk - j < QK_KEYS ? nk - j : QK_KEYS;
-      qk_keys<NR, kD>(n, k + j * ks, ks, qt, Rp, D, st + j * Rp);
-    }
+    constexpr int NK = qk_keys_for(NR);
+    int j = 0;
+    for (; j + NK <= nk; j += NK) qk_micro<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+    for (; j < nk; ++j) qk_micro<1, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
   } else if constexpr (NR > 1) {
     qk_rows<kD, NR - 1>(nr_left, nk, k, ks, qt, Rp, D, st);
   }
