@@ -96,7 +96,8 @@ def test_training_lowers_loss_and_checkpoint_drafts(setup):
     drafter = tiny_drafter(target, block_size=4, train_context=96)
     out = root / "ckpt"
     res = td.train(drafter, target, train_c.load(), held_c.load(), steps=40, blocks=8, lr=3e-3,
-                   warmup=4, eval_every=20, eval_blocks=8, out=out, progress=False)
+                   warmup=4, eval_every=20, eval_blocks=8, out=out, progress=False,
+                   save_dtype=torch.float32, anchor_warmup=0.5, min_context=16)
     losses = [h["loss"] for h in res["history"]]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
     best = res["best"]
@@ -105,6 +106,17 @@ def test_training_lowers_loss_and_checkpoint_drafts(setup):
     assert cfg["train_context"] == 96 and cfg["block_size"] == 4
     loaded = DFlashDrafter.load(out)
     assert loaded.sharp.n_ref == 96
+    # the checkpoint reads raw features: the training-time feature scale is folded into fc
+    feats = train_c.load()["feats"][0].float()
+    anchors = torch.tensor([5, 40, 90])
+    block = torch.zeros(3, 4, dtype=torch.long)
+    with torch.no_grad():
+        final = td.folded_drafter(drafter, None)   # the trained weights, scale not folded
+        torch.testing.assert_close(
+            td.folded_drafter(drafter, res["feature_scale"]).block_logits(target, feats, block,
+                                                                          anchors),
+            final.block_logits(target, feats * res["feature_scale"], block, anchors),
+            rtol=1e-4, atol=1e-4)
     prompt = torch.tensor([seqs[0][:20]])
     ar = autoregressive_generate(target, prompt, 12)
     spec = speculative_generate(target, loaded, prompt, 12)

@@ -104,9 +104,13 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(j - 1) / gamma)
 
 
-def sample_anchors(T: int, block_size: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    """n distinct anchors in [1, T - b] (each block's targets lie inside the sequence), sorted."""
+def sample_anchors(T: int, block_size: int, n: int, gen: torch.Generator,
+                   max_anchor: Optional[int] = None) -> torch.Tensor:
+    """n distinct anchors in [1, min(T - b, max_anchor)] (each block's targets lie inside the
+    sequence), sorted."""
     hi = T - block_size  # inclusive
+    if max_anchor is not None:
+        hi = max(min(hi, max_anchor), 1)
     n = min(n, hi)
     return (torch.randperm(hi, generator=gen)[:n] + 1).sort().values
 
@@ -141,7 +145,7 @@ def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
 
 @torch.no_grad()
 def evaluate(drafter: DFlashDrafter, target, cache: Dict[str, torch.Tensor], blocks: int,
-             gamma: float, seed: int = 1234) -> dict:
+             gamma: float, seed: int = 1234, scale: Optional[torch.Tensor] = None) -> dict:
     """Held-out metrics with fixed anchors: loss, top-1 agreement per block position, tau proxy."""
     b = drafter.config.block_size
     gen = torch.Generator().manual_seed(seed)
@@ -153,7 +157,10 @@ def evaluate(drafter: DFlashDrafter, target, cache: Dict[str, torch.Tensor], blo
         ids = cache["ids"][s]
         anchors = sample_anchors(ids.shape[0], b, blocks, gen)
         block, rows = block_batch(ids, anchors, b, drafter.config.mask_token_id)
-        logits = drafter.block_logits(target, cache["feats"][s].float(), block, anchors)[:, 1:]
+        feats = cache["feats"][s].float()
+        if scale is not None:
+            feats = feats * scale
+        logits = drafter.block_logits(target, feats, block, anchors)[:, 1:]
         loss, _ = distill_loss(logits, cache["top_p"][s][rows], cache["top_i"][s][rows], w)
         losses.append(float(loss))
         ok = logits.argmax(-1) == cache["top_i"][s][rows][..., 0].long()    # (K, b - 1)
@@ -177,21 +184,59 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, time_frac: float = 0.0)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
-def init_from_target(drafter: DFlashDrafter, target) -> List[int]:
-    """Copy the target's last decoder layers into the drafter layers and its final norm."""
+def init_from_target(drafter: DFlashDrafter, target, where: str = "early") -> List[int]:
+    """Start the drafter from target weights; returns the target layers copied.
+
+    "early": drafter layer i = target layer i, and the context projection starts as the identity
+    on the first feature (the output of target layer target_layer_ids[0], a shallow state close
+    to what target layer 0 reads), normalised with target layer 0's input norm. The drafter then
+    starts as the target's first layers run over [context ; block] (early-exit logits through
+    the target's final norm and head): its attention already has local and previous-token heads,
+    which a random drafter must discover through attention diluted over the whole context.
+    "late": drafter layers = the target's last layers (context projection random).
+    """
     layers = target.model.layers
-    chosen = list(range(len(layers) - len(drafter.layers), len(layers)))
+    n = len(drafter.layers)
+    chosen = list(range(n)) if where == "early" else list(range(len(layers) - n, len(layers)))
     for mine, idx in zip(drafter.layers, chosen):
-        mine.load_state_dict(layers[idx].state_dict(), strict=False)
+        mine.load_state_dict(layers[idx].state_dict())
     drafter.norm.load_state_dict(target.model.norm.state_dict())
+    if where == "early":
+        h = drafter.config.target_hidden_size
+        with torch.no_grad():
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, :h].copy_(torch.eye(h, drafter.config.hidden_size).T)
+            drafter.hidden_norm.weight.copy_(layers[0].input_layernorm.weight)
     return chosen
 
 
-def save_checkpoint(drafter: DFlashDrafter, folder: Path, dtype: torch.dtype, extra: dict) -> None:
-    folder = Path(folder)
+def feature_scale(feats: torch.Tensor, max_rows: int = 65536) -> torch.Tensor:
+    """(F*H,) per-dimension 1 / RMS of the context features, over positions >= 1.
+
+    A few target dimensions carry massive activations (SmolLM2: dim 507 of layer 19 is ~10^2
+    everywhere and ~2*10^4 at position 0, against a median of ~4); through a random projection
+    and RMSNorm they make every context vector nearly the same and the drafter collapses to a
+    unigram guess. Training feeds features * scale to `fc`; `save_checkpoint` folds the scale
+    into fc's weight, so the saved drafter reads raw features (inference is unchanged).
+    """
+    x = feats[:, 1:].reshape(-1, feats.shape[-1])[:max_rows].float()
+    return x.pow(2).mean(0).sqrt().clamp_min(1e-3).reciprocal()
+
+
+def folded_drafter(drafter: DFlashDrafter, scale: Optional[torch.Tensor]) -> DFlashDrafter:
+    """A copy of `drafter` whose fc reads raw features (feature scale folded into its weight)."""
     snapshot = DFlashDrafter(drafter.config)
     snapshot.load_state_dict(drafter.state_dict())
-    snapshot.to(dtype).save(folder)
+    if scale is not None:
+        with torch.no_grad():
+            snapshot.fc.weight.mul_(scale[None, :].to(snapshot.fc.weight.dtype))
+    return snapshot.eval()
+
+
+def save_checkpoint(drafter: DFlashDrafter, folder: Path, dtype: torch.dtype, extra: dict,
+                    scale: Optional[torch.Tensor] = None) -> None:
+    folder = Path(folder)
+    folded_drafter(drafter, scale).to(dtype).save(folder)
     (folder / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
 
 
@@ -201,8 +246,15 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
           grad_clip: float = 1.0, eval_every: int = 100, eval_blocks: int = 32, seed: int = 0,
           out: Optional[Path] = None, save_dtype: torch.dtype = torch.bfloat16,
           max_seconds: Optional[float] = None, log_file: Optional[Path] = None,
-          meta: Optional[dict] = None, progress: bool = True) -> dict:
-    """Train `drafter` in place; returns {"history": [...], "evals": [...], "best": {...}}."""
+          meta: Optional[dict] = None, progress: bool = True, anchor_warmup: float = 0.0,
+          min_context: int = 32, scale_features: bool = True) -> dict:
+    """Train `drafter` in place; returns {"history": [...], "evals": [...], "best": {...}}.
+
+    anchor_warmup: fraction of the run over which the largest anchor position grows linearly
+    from min_context to the sequence length (0: full-length anchors from the start). Short
+    contexts first let the block rows find the anchor and the nearby context before their
+    attention is spread over a thousand keys.
+    """
     for p in target.parameters():
         p.requires_grad_(False)
     b = drafter.config.block_size
@@ -216,6 +268,7 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
                             lr=lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
     n_seq = train_cache["ids"].shape[0]
+    scale = feature_scale(train_cache["feats"]) if scale_features else None
     history, evals, best = [], [], None
     t0 = time.time()
     logf = open(log_file, "a") if log_file else None
@@ -230,7 +283,7 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
         if eval_cache is None:
             return
         ev = {"step": step, "elapsed_s": round(time.time() - t0, 1),
-              **evaluate(drafter, target, eval_cache, eval_blocks, gamma)}
+              **evaluate(drafter, target, eval_cache, eval_blocks, gamma, scale=scale)}
         evals.append(ev)
         log({"eval": ev})
         tqdm.write(f"eval step {step}: loss {ev['loss']:.3f} tau~{ev['tau_proxy']:.3f} top1 "
@@ -239,7 +292,7 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
             best = ev
             if out is not None:
                 save_checkpoint(drafter, out, save_dtype, {**(meta or {}), "best_eval": ev,
-                                                            "evals": evals})
+                                                            "evals": evals}, scale)
 
     drafter.train()
     order = torch.randperm(n_seq, generator=gen)
@@ -252,12 +305,20 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
         if step % n_seq == n_seq - 1:
             order = torch.randperm(n_seq, generator=gen)
         ids = train_cache["ids"][s]
-        anchors = sample_anchors(ids.shape[0], b, blocks, gen)
+        T = ids.shape[0]
+        max_anchor = None
+        if anchor_warmup > 0:  # context curriculum: short contexts first, the full length later
+            frac = max(step / steps, (time.time() - t0) / max_seconds if max_seconds else 0.0)
+            max_anchor = int(min_context + (T - min_context) * min(1.0, frac / anchor_warmup))
+        anchors = sample_anchors(T, b, blocks, gen, max_anchor)
         block, rows = block_batch(ids, anchors, b, mask_id)
         time_frac = (time.time() - t0) / max_seconds if max_seconds else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup, time_frac)
-        logits = drafter.block_logits(target, train_cache["feats"][s].float(), block, anchors)
+        feats = train_cache["feats"][s].float()
+        if scale is not None:
+            feats = feats * scale
+        logits = drafter.block_logits(target, feats, block, anchors)
         loss, per_row = distill_loss(logits[:, 1:], train_cache["top_p"][s][rows],
                                      train_cache["top_i"][s][rows], w)
         opt.zero_grad(set_to_none=True)
@@ -279,7 +340,7 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
     if logf:
         logf.close()
     return {"history": history, "evals": evals, "best": best, "steps_done": step + 1,
-            "seconds": time.time() - t0}
+            "seconds": time.time() - t0, "feature_scale": scale}
 
 
 # ----- command line ---------------------------------------------------------------------------------
@@ -302,9 +363,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--eval-blocks", type=int, default=32)
-    p.add_argument("--init", choices=["target", "random"], default="target",
-                   help="initialise drafter layers from the target's last layers, or randomly")
+    p.add_argument("--init", choices=["early", "late", "random"], default="early",
+                   help="start the drafter from the target's first layers (early), its last "
+                        "layers (late), or randomly (see init_from_target)")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--anchor-warmup", type=float, default=0.3,
+                   help="fraction of the run over which anchors grow from --min-context to "
+                        "the sequence length (context curriculum; 0 = off)")
+    p.add_argument("--min-context", type=int, default=32)
     p.add_argument("--max-minutes", type=float, default=None,
                    help="time budget of the training loop: the cosine schedule ends at the "
                         "steps or this budget, whichever comes first (best checkpoint kept)")
@@ -349,7 +415,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.cache_only:
         return {"train_cache": train_c["folder"], "heldout_cache": eval_c["folder"]}
     drafter = DFlashDrafter(cfg)
-    init_layers = init_from_target(drafter, target) if args.init == "target" else None
+    init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
     n_params = sum(p.numel() for p in drafter.parameters())
     out = Path(args.out)
     meta = {"command": "sharpdraft " + " ".join(sys.argv[1:]) if sys.argv else None,
@@ -366,7 +432,8 @@ def main(args: argparse.Namespace) -> dict:
                    eval_every=args.eval_every, eval_blocks=args.eval_blocks, seed=args.seed,
                    out=out, save_dtype=getattr(torch, args.save_dtype),
                    max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                   log_file=out / "train_log.jsonl", meta=meta)
+                   log_file=out / "train_log.jsonl", meta=meta,
+                   anchor_warmup=args.anchor_warmup, min_context=args.min_context)
     summary = {**meta, "steps_done": result["steps_done"],
                "train_seconds": round(result["seconds"], 1), "best_eval": result["best"],
                "final_train_loss_avg50": sum(h["loss"] for h in result["history"][-50:])
