@@ -20,7 +20,7 @@ SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e .
 python -c "import torch, sharpdraft_ext as ext; print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa())"
 
 step "pytest"
-python -m pytest -q tests
+python -m pytest -q tests --hypothesis-profile=ci
 
 step "C++ core: CMake + ctest"
 cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release >/dev/null
