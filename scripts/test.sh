@@ -45,7 +45,7 @@ if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
     step "CUDA: extension build against the CUDA torch, import without a GPU"
     work=$(mktemp -d)
     python -m venv "$work/venv"
-    "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest ninja "setuptools>=64" wheel
+    "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest hypothesis ninja "setuptools>=64" wheel
     mkdir -p "$work/src"
     git ls-files -z | xargs -0 cp --parents -t "$work/src"  # tracked sources, no in-tree build
     (cd "$work/src" && CUDA_HOME="$CUDA_ROOT" SHARPDRAFT_CUDA=1 \
