@@ -120,3 +120,33 @@ def test_save_load_roundtrip(models, tmp_path):
                                    drafter.block_logits(target, feats[0], block, torch.tensor([9])))
     with pytest.raises(FileNotFoundError, match="config.json"):
         DFlashDrafter.load(tmp_path / "nothing")
+
+
+def test_draft_vocabulary_borrows_head_rows_and_masks_the_rest(models, tmp_path):
+    """With a draft vocabulary, block logits are the full-vocabulary logits at the d2t columns,
+    and inference logits put -inf (probability 0) on every token outside it."""
+    target, ids, feats = models
+    full = tiny_drafter(target)
+    small = tiny_drafter(target, draft_vocab_size=40)
+    small.load_state_dict(full.state_dict(), strict=False)     # same layers, plus d2t
+    d2t = torch.randperm(256, generator=torch.Generator().manual_seed(4))[:40]
+    small.set_draft_vocab(d2t)
+    anchors = torch.tensor([6, 20])
+    block = torch.zeros(2, 4, dtype=torch.long)
+    block[:, 0] = ids[0, anchors]
+    with torch.no_grad():
+        ref = full.block_logits(target, feats[0], block, anchors)
+        got = small.block_logits(target, feats[0], block, anchors)
+        assert got.shape == (2, 4, 40)
+        torch.testing.assert_close(got, ref[..., d2t])
+        inf = small.draft_logits(target, int(ids[0, 6]), 6, feats[:, :6], DynamicCache())
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[d2t] = False
+    assert torch.isneginf(inf[:, outside]).all()
+    torch.testing.assert_close(inf[:, d2t], ref[0, 1:, d2t], rtol=1e-4, atol=1e-4)
+    small.save(tmp_path / "ckpt")                               # d2t travels with the weights
+    assert torch.equal(DFlashDrafter.load(tmp_path / "ckpt").d2t, d2t)
+    with pytest.raises(ValueError, match="distinct"):
+        small.set_draft_vocab(torch.zeros(40, dtype=torch.long))
+    with pytest.raises(ValueError, match="full target vocabulary"):
+        full.set_draft_vocab(d2t)

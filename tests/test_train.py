@@ -91,6 +91,27 @@ def test_distill_loss_and_weights():
     assert len(set(anchors.tolist())) == 8 and anchors.min() >= 1 and anchors.max() <= 35
 
 
+def test_draft_vocabulary_and_loss_outside_it():
+    ids = torch.tensor([[5, 5, 5, 7, 7, 2]])
+    top_i = torch.tensor([[[5, 9], [7, 9], [7, 1], [5, 1], [9, 3], [1, 2]]]).int()
+    top_p = torch.tensor([[[0.6, 0.1]] * 6]).half()
+    # counts: 5 -> 3 (ids) + 2 (top-1) + 1.2, 7 -> 2 + 2 + 1.2, 9 -> 1 + 0.2, 1 -> 1 + 0.2, ...
+    d2t = td.draft_vocabulary({"ids": ids, "top_i": top_i, "top_p": top_p}, 3, 12)
+    assert d2t.tolist() == [1, 5, 7]
+    t2d = td.target_to_draft(d2t, 12)
+    assert t2d[5] == 1 and t2d[9] == -1 and t2d[1] == 0
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        td.draft_vocabulary({"ids": ids, "top_i": top_i, "top_p": top_p}, 13, 12)
+    # entries outside the draft vocabulary (-1) drop out and the rest renormalise
+    logits = torch.randn(2, 3, 4)
+    p = torch.tensor([0.5, 0.3, 0.2]).expand(2, 3, 3)
+    i = torch.tensor([2, -1, 0]).expand(2, 3, 3)
+    loss, per_row = td.distill_loss(logits, p, i, torch.ones(3))
+    logq = torch.log_softmax(logits.double(), -1)
+    expect = -(0.5 * logq[..., 2] + 0.2 * logq[..., 0]) / 0.7
+    torch.testing.assert_close(per_row.double(), expect.mean(0), rtol=1e-5, atol=1e-6)
+
+
 def test_training_lowers_loss_and_checkpoint_drafts(setup):
     target, seqs, _, (train_c, held_c), root = setup
     drafter = tiny_drafter(target, block_size=4, train_context=96)

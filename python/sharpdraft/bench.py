@@ -41,14 +41,23 @@ def maths_problems(n: int) -> List[str]:
     return [p["_text"] for p in list(problems.values())[:n]]
 
 
+def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
+    """The first `n_tokens` tokens of Genesis (held out from drafter training) as text.
+
+    Raises:
+        ValueError: n_tokens < 1 or beyond the book (`what` names the argument).
+    """
+    words = tokenizer(kjv_text(), add_special_tokens=False).input_ids
+    if not 1 <= n_tokens <= len(words):
+        raise ValueError(f"{what}: {n_tokens} must lie in [1, {len(words)}] (Genesis, tokens)")
+    return tokenizer.decode(words[:n_tokens])
+
+
 def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     """[{name, kind, ids}], KJV passages of `lengths` tokens + task, then maths problems."""
-    words = tokenizer(kjv_text(), add_special_tokens=False).input_ids
     prompts = []
     for n in lengths:
-        if n > len(words):
-            raise ValueError(f"--lengths: {n} exceeds the KJV text ({len(words)} tokens)")
-        passage = tokenizer.decode(words[:n])
+        passage = kjv_passage(tokenizer, n)
         prompts.append({"name": f"kjv-{n}", "kind": "kjv", "text": f"{passage}\n\n{KJV_TASK}"})
     for i, problem in enumerate(maths_problems(n_maths)):
         prompts.append({"name": f"maths-{i}", "kind": "maths",

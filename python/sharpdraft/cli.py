@@ -1,6 +1,7 @@
 """`sharpdraft` command line: speculative generation on a real target model.
 
     sharpdraft generate --prompt "Explain speculative decoding." --compare-ar
+    sharpdraft generate --kjv-context 2048 --compare-ar      # Genesis + "Summarise the passage ..."
     sharpdraft generate --prompt-file task.txt --context-file passage.txt --sharp --slope 0.2 --json
     sharpdraft bench --out bench-results --lengths 1024 2048 4096 6144 --maths 4
 
@@ -23,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
-from .bench import build_prompts, markdown_table, run_bench
+from .bench import KJV_TASK, build_prompts, kjv_passage, markdown_table, run_bench
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .engine import GenerationResult, autoregressive_generate, speculative_generate
 from .models import load_target
@@ -92,9 +93,19 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_generate(args) -> dict:
+    if args.kjv_context is not None and args.kjv_context < 1:
+        raise ValueError(f"--kjv-context must be >= 1 tokens, got {args.kjv_context}")
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
-    prompt = args.prompt if args.prompt is not None else open(args.prompt_file).read()
-    context = open(args.context_file).read() if args.context_file else None
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.prompt_file is not None:
+        prompt = open(args.prompt_file).read()
+    else:
+        prompt = KJV_TASK
+    if args.kjv_context is not None:
+        context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
+    else:
+        context = open(args.context_file).read() if args.context_file else None
     ids = build_prompt(tokenizer, prompt, context, not args.no_chat_template)
     drafter = build_drafter(target, tokenizer, args)
     gen = torch.Generator().manual_seed(args.seed)
@@ -149,10 +160,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sharpdraft", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="speculative generation from one prompt")
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text (default: the bench's KJV summary task)")
     src.add_argument("--prompt-file", help="a file holding the prompt")
-    g.add_argument("--context-file", help="a long context placed before the prompt")
+    ctx = g.add_mutually_exclusive_group()
+    ctx.add_argument("--context-file", help="a long context placed before the prompt")
+    ctx.add_argument("--kjv-context", type=int, metavar="N",
+                     help="use the first N tokens of Genesis (KJV, shipped) as the context")
     _common(g)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--compare-ar", action="store_true",

@@ -123,22 +123,47 @@ def block_batch(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_
     return block, rows
 
 
+def draft_vocabulary(cache: Dict[str, torch.Tensor], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target ids the drafter may propose, sorted: the most frequent in the cached
+    corpus, counting each position's token, the target's top-1 token there, and its top-k
+    probability mass (which ranks tokens that are never a top-1)."""
+    if not 2 <= size <= vocab_size:
+        raise ValueError(f"draft vocabulary size must lie in [2, {vocab_size}], got {size}")
+    top_i = cache["top_i"].long()
+    counts = (torch.bincount(cache["ids"].flatten().long(), minlength=vocab_size).double()
+              + torch.bincount(top_i[..., 0].flatten(), minlength=vocab_size)
+              + torch.bincount(top_i.flatten(), weights=cache["top_p"].flatten().double(),
+                               minlength=vocab_size))
+    return counts.argsort(descending=True, stable=True)[:size].sort().values
+
+
+def target_to_draft(d2t: Optional[torch.Tensor], vocab_size: int) -> Optional[torch.Tensor]:
+    """(vocab_size,) map target id -> draft id, -1 outside the draft vocabulary (None: identity)."""
+    if d2t is None:
+        return None
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    return t2d
+
+
 def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
                  weights: torch.Tensor):
     """Weighted soft cross-entropy against the target's renormalised top-k distribution.
 
     Args:
-        logits: (K, b - 1, V) drafter logits of rows 1 .. b - 1.
-        top_p, top_i: (K, b - 1, k) the target's top-k probabilities and ids for those rows.
+        logits: (K, b - 1, V) drafter logits of rows 1 .. b - 1 over its draft vocabulary.
+        top_p, top_i: (K, b - 1, k) the target's top-k probabilities and their ids in the draft
+            vocabulary (-1: outside it; such entries are dropped before renormalising).
         weights: (b - 1,) per-row weights.
 
     Returns:
         (loss, per-row mean cross-entropy (b - 1,)).
     """
     logq = torch.log_softmax(logits, dim=-1)
-    p = top_p.float()
+    top_i = top_i.long()
+    p = top_p.float() * (top_i >= 0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
-    ce = -(p * logq.gather(-1, top_i.long())).sum(-1)            # (K, b - 1)
+    ce = -(p * logq.gather(-1, top_i.clamp_min(0))).sum(-1)       # (K, b - 1)
     per_row = ce.mean(0)
     return (per_row * weights).sum() / weights.sum(), per_row.detach()
 
@@ -153,6 +178,8 @@ def evaluate(drafter: DFlashDrafter, target, cache: Dict[str, torch.Tensor], blo
     agree, lead, losses = [], [], []
     was_training = drafter.training
     drafter.eval()
+    d2t = drafter.d2t
+    t2d = target_to_draft(d2t, target.get_output_embeddings().weight.shape[0])
     for s in range(cache["ids"].shape[0]):
         ids = cache["ids"][s]
         anchors = sample_anchors(ids.shape[0], b, blocks, gen)
@@ -161,9 +188,12 @@ def evaluate(drafter: DFlashDrafter, target, cache: Dict[str, torch.Tensor], blo
         if scale is not None:
             feats = feats * scale
         logits = drafter.block_logits(target, feats, block, anchors)[:, 1:]
-        loss, _ = distill_loss(logits, cache["top_p"][s][rows], cache["top_i"][s][rows], w)
+        top_i = cache["top_i"][s][rows].long()
+        loss, _ = distill_loss(logits, cache["top_p"][s][rows],
+                               top_i if t2d is None else t2d[top_i], w)
         losses.append(float(loss))
-        ok = logits.argmax(-1) == cache["top_i"][s][rows][..., 0].long()    # (K, b - 1)
+        guess = logits.argmax(-1) if d2t is None else d2t[logits.argmax(-1)]
+        ok = guess == top_i[..., 0]                                           # (K, b - 1)
         agree.append(ok.float())
         lead.append(ok.int().cumprod(-1).sum(-1).float())
     drafter.train(was_training)
@@ -269,6 +299,7 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
     gen = torch.Generator().manual_seed(seed)
     n_seq = train_cache["ids"].shape[0]
     scale = feature_scale(train_cache["feats"]) if scale_features else None
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     history, evals, best = [], [], None
     t0 = time.time()
     logf = open(log_file, "a") if log_file else None
@@ -319,8 +350,9 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
         if scale is not None:
             feats = feats * scale
         logits = drafter.block_logits(target, feats, block, anchors)
+        top_i = train_cache["top_i"][s][rows].long()
         loss, per_row = distill_loss(logits[:, 1:], train_cache["top_p"][s][rows],
-                                     train_cache["top_i"][s][rows], w)
+                                     top_i if t2d is None else t2d[top_i], w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -358,6 +390,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--features", type=int, default=4, help="target layers read as context")
     p.add_argument("--topk", type=int, default=32, help="cached target probabilities per position")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft vocabulary size: the most frequent target tokens of the training "
+                        "corpus (0: the whole target vocabulary)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
@@ -405,7 +440,8 @@ def main(args: argparse.Namespace) -> dict:
     target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
     cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                    num_layers=args.layers, block_size=args.block_size,
-                                   num_features=args.features, train_context=args.seq_len)
+                                   num_features=args.features, train_context=args.seq_len,
+                                   draft_vocab_size=args.draft_vocab or None)
     t0 = time.time()
     train_c = _cache_for(target, tokenizer, provenance, cfg.target_layer_ids, args, "train",
                          args.tokens)
@@ -415,6 +451,9 @@ def main(args: argparse.Namespace) -> dict:
     if args.cache_only:
         return {"train_cache": train_c["folder"], "heldout_cache": eval_c["folder"]}
     drafter = DFlashDrafter(cfg)
+    if cfg.draft_vocab_size is not None:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        drafter.set_draft_vocab(draft_vocabulary(train_c["tensors"], cfg.draft_vocab_size, vocab))
     init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
     n_params = sum(p.numel() for p in drafter.parameters())
     out = Path(args.out)

@@ -72,6 +72,7 @@ class DFlashConfig:
     num_layers: int = 2
     block_size: int = 16
     train_context: int = 2048
+    draft_vocab_size: Optional[int] = None
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
@@ -85,11 +86,15 @@ class DFlashConfig:
             raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
         if self.train_context < 1:
             raise ValueError(f"DFlashConfig.train_context must be >= 1, got {self.train_context}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"DFlashConfig.draft_vocab_size must be None or >= 2, got "
+                             f"{self.draft_vocab_size}")
 
     @classmethod
     def from_target(cls, target_config, *, mask_token_id: int, num_layers: int = 2,
                     block_size: int = 16, num_features: int = 4,
-                    train_context: int = 2048) -> "DFlashConfig":
+                    train_context: int = 2048,
+                    draft_vocab_size: Optional[int] = None) -> "DFlashConfig":
         """A drafter at the target's width, reading `num_features` evenly spaced target layers.
 
         Args:
@@ -106,7 +111,7 @@ class DFlashConfig:
                    target_layer_ids=evenly_spaced_layers(t.num_hidden_layers, num_features),
                    mask_token_id=int(mask_token_id), num_layers=num_layers,
                    block_size=block_size, train_context=train_context,
-                   rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+                   draft_vocab_size=draft_vocab_size, rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
                    max_position_embeddings=t.max_position_embeddings,
                    rope_parameters=dict(t.rope_parameters))
 
@@ -201,6 +206,35 @@ class DFlashDrafter(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
         self.sharp = sharp or SharpConfig(mode="none", n_ref=config.train_context)
+        if config.draft_vocab_size is not None:  # draft id -> target id (set by training)
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.d2t = None
+
+    # ----- vocabulary -----------------------------------------------------------------------
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Set the draft vocabulary: `target_ids` (draft_vocab_size,) distinct target token ids.
+
+        Raises:
+            ValueError: the drafter has no draft vocabulary, or target_ids has the wrong shape or
+                repeats an id.
+        """
+        if self.d2t is None:
+            raise ValueError("set_draft_vocab: this drafter drafts over the full target vocabulary"
+                             " (config.draft_vocab_size is None)")
+        ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if ids.shape != self.d2t.shape or ids.unique().numel() != ids.numel():
+            raise ValueError(f"set_draft_vocab: target_ids must be {tuple(self.d2t.shape)} "
+                             f"distinct ids, got shape {tuple(ids.shape)}")
+        self.d2t.copy_(ids)
+
+    def head(self, target, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary through the target's LM head (rows d2t), float32."""
+        lm_head = target.get_output_embeddings()
+        if self.d2t is None:
+            return lm_head(h).float()
+        bias = lm_head.bias[self.d2t] if getattr(lm_head, "bias", None) is not None else None
+        return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
 
     # ----- context ------------------------------------------------------------------------
     def context_features(self, hidden_states) -> torch.Tensor:
@@ -254,7 +288,8 @@ class DFlashDrafter(nn.Module):
             anchors: (K,) int64 anchor positions, each in [1, T].
 
         Returns:
-            logits (K, b, vocab), float32.
+            logits (K, b, V), float32, over the draft vocabulary (V = config.draft_vocab_size;
+            `d2t` maps column ids to target ids), or the target vocabulary when it has none.
         """
         K, b = block_ids.shape
         T = context_features.shape[0]
@@ -273,7 +308,7 @@ class DFlashDrafter(nn.Module):
         embeds = target.get_input_embeddings()(block_ids.reshape(1, K * b))
         h = self(embeds, block_pos, context_features[None],
                  torch.arange(T, device=dev)[None], attn_mask=mask)
-        return target.get_output_embeddings()(h).float().view(K, b, -1)
+        return self.head(target, h).view(K, b, -1)
 
     @torch.no_grad()
     def draft_logits(self, target, last_token: int, position: int,
@@ -288,7 +323,8 @@ class DFlashDrafter(nn.Module):
             cache: the drafter's DynamicCache (context keys only).
 
         Returns:
-            float32 logits (b - 1, vocab); row j - 1 predicts the token at position + j.
+            float32 logits (b - 1, target vocab); row j - 1 predicts the token at position + j.
+            With a draft vocabulary, tokens outside it get -inf (probability 0 in the draft).
         """
         b = self.config.block_size
         dev = new_context.device
@@ -298,7 +334,12 @@ class DFlashDrafter(nn.Module):
         tn = new_context.shape[1]
         ctx_pos = torch.arange(position - tn, position, device=dev)[None]
         h = self(target.get_input_embeddings()(ids), pos, new_context, ctx_pos, cache=cache)
-        return target.get_output_embeddings()(h[0, 1:]).float()
+        logits = self.head(target, h[0, 1:])
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((b - 1, target.get_output_embeddings().weight.shape[0]),
+                               float("-inf"))
+        return full.index_copy_(1, self.d2t, logits)
 
     # ----- checkpoints ------------------------------------------------------------------------
     def save(self, folder) -> None:

@@ -1,0 +1,47 @@
+"""`sharpdraft generate` end to end on a tiny local Hugging Face checkpoint (model + tokenizer)."""
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from sharpdraft import cli
+from sharpdraft_helpers import tiny_target
+
+WORDS = ("the lord god said unto him and her earth heaven light day night water was it "
+         "good made called evening morning first second").split()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama and a word-level tokenizer saved as a local checkpoint folder."""
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    folder = tmp_path_factory.mktemp("tiny-target")
+    tiny_target(vocab=len(vocab), eos_token_id=1).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("sharp", ["--sharp", "--no-sharp"])
+def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
+    rc = cli.main(["generate", "--target", str(checkpoint), "--prompt",
+                   "in the beginning god made the heaven and the earth", "--no-chat-template",
+                   "--max-new-tokens", "12", "--compare-ar", "--json", sharp, "--threads", "1"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("text", "new_tokens", "target_forwards", "tau", "tokens_per_s",
+                "ar_tokens_per_s", "speedup"):
+        assert key in report
+    assert report["identical_to_ar"] is True          # greedy: lossless
+    assert report["new_tokens"] == report["ar_new_tokens"] == 12
+    # tau = committed tokens per verification forward (the prefill makes the first token)
+    assert report["tau"] == pytest.approx((12 - 1) / (report["target_forwards"] - 1))
+    assert report["sharp"]["mode"] == ("fixed_slope" if sharp == "--sharp" else "none")
+
+
+def test_generate_rejects_bad_kjv_context(checkpoint):
+    with pytest.raises(ValueError, match="--kjv-context"):
+        cli.main(["generate", "--target", str(checkpoint), "--kjv-context", "0"])
