@@ -20,9 +20,10 @@ class ScriptedDrafter(DFlashDrafter):
     """Proposes a known continuation with chosen positions corrupted (exercises acceptance,
     rejection in the middle of a block and the cache rollback)."""
 
-    def __init__(self, base, prompt_len, continuation, corrupt_every):
+    def __init__(self, base, prompt_len, continuation, corrupt_every, weak_every=None):
         super().__init__(base.config)
         self.prompt_len, self.cont, self.every = prompt_len, continuation, corrupt_every
+        self.weak = weak_every          # positions drafted with low confidence (logit 1, not 10)
 
     def draft_logits(self, target, last_token, position, new_context, cache):
         b, vocab = self.config.block_size, target.config.vocab_size
@@ -32,7 +33,8 @@ class ScriptedDrafter(DFlashDrafter):
             tok = self.cont[i] if i < len(self.cont) else 0
             if (position + j) % self.every == 0:
                 tok = (tok + 1) % vocab
-            logits[j - 1, tok] = 10.0
+            weak = self.weak is not None and (position + j) % self.weak == 0
+            logits[j - 1, tok] = 1.0 if weak else 10.0
         return logits
 
 
@@ -67,6 +69,26 @@ def test_greedy_with_accepting_drafter_rolls_back_correctly(target, corrupt_ever
     # accounting: tau - 1 is the sum of per-position acceptance, the first token is the prefill's
     assert math.isclose(res.tau - 1, sum(res.acceptance_by_position()), rel_tol=1e-12)
     assert sum(res.accept_lengths) >= res.new_tokens - 1
+
+
+def test_draft_threshold_cuts_before_the_first_unsure_draft(target):
+    """With draft_threshold, each step verifies the drafts before the first one whose drafter
+    probability is below it (at least one), and the output is still target greedy."""
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    ref = hf_greedy(target, prompt, 40)
+    b, weak = 6, 4
+    drafter = ScriptedDrafter(tiny_drafter(target, block_size=b), 9, ref, 5, weak).eval()
+    # logit 10 against 255 zeros: p = 0.99; logit 1: p = e / (e + 255) = 0.0105
+    full = speculative_generate(target, drafter, prompt, 40)
+    cut = speculative_generate(target, drafter, prompt, 40, draft_threshold=0.5)
+    assert full.tokens == cut.tokens == ref
+    assert all(n == b - 1 for n in full.draft_lengths)
+    for n, pos in zip(cut.draft_lengths, cut.context_lengths):
+        first_weak = next(j for j in range(1, b + weak) if (pos + j) % weak == 0)
+        assert n == min(b - 1, max(1, first_weak - 1)), (pos, n)
+    assert cut.summary()["mean_draft_length"] < b - 1
+    with pytest.raises(ValueError, match="draft_threshold"):
+        speculative_generate(target, drafter, prompt, 4, draft_threshold=1.5)
 
 
 def test_eos_and_max_new_tokens_stop_exactly(target):
@@ -130,8 +152,10 @@ def test_verify_rule_reproduces_a_markov_chain():
         assert chi_square(second[x1], P[x1]) < 20.5, (x1, second[x1], P[x1])
 
 
-def test_sampling_matches_target_distribution(target):
-    """End to end: marginals of the 2nd and 3rd new tokens vs the exact target distribution."""
+@pytest.mark.parametrize("draft_threshold", [0.0, 0.13])
+def test_sampling_matches_target_distribution(target, draft_threshold):
+    """End to end: marginals of the 2nd and 3rd new tokens vs the exact target distribution
+    (with draft_threshold 0.13 the random drafter's blocks, p ~ 1/8 each, are cut at random)."""
     small = tiny_target(seed=5, vocab=8)
     drafter = tiny_drafter(small, block_size=3)
     prompt = torch.tensor([[1, 5, 2, 7]])
@@ -147,7 +171,8 @@ def test_sampling_matches_target_distribution(target):
     N = 500
     c2, c3 = torch.zeros(8), torch.zeros(8)
     for _ in range(N):
-        toks = speculative_generate(small, drafter, prompt, 3, temperature=1.0, generator=g).tokens
+        toks = speculative_generate(small, drafter, prompt, 3, temperature=1.0, generator=g,
+                                    draft_threshold=draft_threshold).tokens
         c2[toks[1]] += 1
         c3[toks[2]] += 1
     # df 7: P(chi2 > 26) ~ 5e-4

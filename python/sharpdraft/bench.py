@@ -71,8 +71,11 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
 
 
 def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: float,
-              n_ref: int, out_dir: Path) -> List[dict]:
-    """Run AR, frozen DFlash and DFlash + SharpDraft (greedy) on every prompt; write reports."""
+              n_ref: int, out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
+    """Run AR, frozen DFlash and DFlash + SharpDraft (greedy) on every prompt; write reports.
+
+    draft_threshold: passed to `speculative_generate` (0: whole blocks are verified).
+    """
     methods = {"dflash-frozen": SharpConfig(mode="none", n_ref=n_ref),
                "dflash-sharp": SharpConfig(mode="fixed_slope", slope=slope, n_ref=n_ref)}
     rows = []
@@ -89,13 +92,13 @@ def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: f
         for name, sharp in methods.items():
             drafter.sharp = sharp
             res = speculative_generate(target, drafter, p["ids"], max_new_tokens,
-                                       eos_token_id=eos)
+                                       eos_token_id=eos, draft_threshold=draft_threshold)
             row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
                          "identical_to_ar": res.tokens == ar.tokens}
         rows.append(row)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"max_new_tokens": max_new_tokens, "slope": slope, "n_ref": n_ref,
-            "block_size": drafter.config.block_size}
+            "block_size": drafter.config.block_size, "draft_threshold": draft_threshold}
     (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
     (out_dir / "bench.md").write_text(markdown_table(rows, meta))
     plot_tau(rows, out_dir / "tau_vs_context.png")
@@ -104,7 +107,9 @@ def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: f
 
 def markdown_table(rows: List[dict], meta: dict) -> str:
     lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, block size "
-             f"{meta['block_size']}, SharpDraft slope {meta['slope']}, n_ref {meta['n_ref']}.", "",
+             f"{meta['block_size']}, SharpDraft slope {meta['slope']}, n_ref {meta['n_ref']}"
+             + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
+                else "") + ".", "",
              "| prompt | prompt tokens | AR tok/s | frozen tau | frozen speedup | sharp tau "
              "| sharp speedup | lossless |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

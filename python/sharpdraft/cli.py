@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
-from .bench import KJV_TASK, build_prompts, kjv_passage, markdown_table, run_bench
+from .bench import KJV_TASK, build_prompts, kjv_passage, run_bench
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .engine import GenerationResult, autoregressive_generate, speculative_generate
 from .models import load_target
@@ -84,10 +84,8 @@ def cmd_bench(args) -> dict:
     drafter = build_drafter(target, tokenizer, args)
     prompts = build_prompts(tokenizer, args.lengths, args.maths)
     rows = run_bench(target, tokenizer, drafter, prompts, args.max_new_tokens, args.slope,
-                     drafter.sharp.n_ref, Path(args.out))
-    print(markdown_table(rows, {"max_new_tokens": args.max_new_tokens, "slope": args.slope,
-                                "n_ref": drafter.sharp.n_ref,
-                                "block_size": drafter.config.block_size}))
+                     drafter.sharp.n_ref, Path(args.out), draft_threshold=args.draft_threshold)
+    print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png")
     return {"target": provenance, "runs": len(rows)}
 
@@ -111,7 +109,8 @@ def cmd_generate(args) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen)
     spec = _run("speculative", lambda progress: speculative_generate(
-        target, drafter, ids, args.max_new_tokens, progress=progress, **common), args.max_new_tokens)
+        target, drafter, ids, args.max_new_tokens, progress=progress,
+        draft_threshold=args.draft_threshold, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
               "drafter": "dflash", "sharp": drafter.sharp.kernel_kwargs(),
               "block_size": drafter.config.block_size, "target": provenance}
@@ -150,6 +149,9 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--slope", type=float, default=0.2, help="SharpDraft slope lambda")
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
+    g.add_argument("--draft-threshold", type=float, default=0.0,
+                   help="verify drafts only up to the first whose drafter probability is below "
+                        "this (0: the whole block; lossless either way)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")

@@ -12,6 +12,12 @@ accepted block) is committed, and the target cache is cropped back past the firs
   residual norm(max(0, p_j - q_j)). The committed tokens are distributed exactly as the target's
   own samples (p = softmax(logits / temperature)).
 
+Draft length: by default the whole block (b - 1 drafts) is verified. With draft_threshold > 0 the
+drafts are cut before the first one whose drafter probability (of the drafted token, at
+temperature 1) falls below the threshold, keeping at least one. The cut depends only on the
+drafter, so both modes stay lossless, and verifying fewer tokens makes a verification forward
+cheaper where its cost grows with its length (CPUs).
+
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
 forward, the target's token included, so 1 <= tau <= b. The prefill forward (which commits the
 first token) is counted in `target_forwards` but not in tau.
@@ -35,8 +41,9 @@ class GenerationResult:
 
     tokens: the new token ids (EOS included when it ended the run). target_forwards: target
     forwards, the prefill included. accept_lengths: tokens committed by each verification forward.
-    context_lengths: the committed length before each verification. wall_s: wall time of the
-    whole generation (prefill included).
+    context_lengths: the committed length before each verification. draft_lengths: drafts
+    verified by each verification forward. wall_s: wall time of the whole generation (prefill
+    included).
     """
 
     tokens: List[int]
@@ -46,6 +53,7 @@ class GenerationResult:
     block_size: int = 1
     accept_lengths: List[int] = field(default_factory=list)
     context_lengths: List[int] = field(default_factory=list)
+    draft_lengths: List[int] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -84,7 +92,10 @@ class GenerationResult:
         return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "target_forwards": self.target_forwards, "tau": self.tau,
                 "acceptance_by_position": self.acceptance_by_position(),
-                "tau_by_context": self.tau_by_context(), "wall_s": self.wall_s,
+                "tau_by_context": self.tau_by_context(),
+                "mean_draft_length": (sum(self.draft_lengths) / len(self.draft_lengths)
+                                      if self.draft_lengths else 0.0),
+                "wall_s": self.wall_s,
                 "tokens_per_s": self.tokens_per_s}
 
 
@@ -185,7 +196,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tenso
                          max_new_tokens: int, *, temperature: float = 0.0,
                          eos_token_id: Optional[int] = None,
                          generator: Optional[torch.Generator] = None,
-                         progress=None) -> GenerationResult:
+                         progress=None, draft_threshold: float = 0.0) -> GenerationResult:
     """Chain speculative decoding with a DFlash drafter (batch size 1), lossless.
 
     Args:
@@ -193,11 +204,18 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tenso
         drafter: a DFlashDrafter built for this target (its `sharp` config is used as is).
         prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
             `autoregressive_generate`.
+        draft_threshold: in [0, 1]; 0 verifies the whole block, else drafts stop before the
+            first whose drafter probability is below it (at least one draft is kept).
+
+    Raises:
+        ValueError: as `autoregressive_generate`, or draft_threshold outside [0, 1].
 
     Returns:
         GenerationResult with accept_lengths / context_lengths of every verification forward.
     """
     _check(prompt_ids, max_new_tokens, temperature)
+    if not 0.0 <= draft_threshold <= 1.0:
+        raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
     tick = _Progress(progress)
     b = drafter.config.block_size
     dev = prompt_ids.device
@@ -219,16 +237,23 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tenso
         else:
             q_probs = _probs(d_logits, temperature)
             drafts = torch.multinomial(q_probs, 1, generator=generator)[:, 0].tolist()
+        if draft_threshold > 0:
+            conf = torch.softmax(d_logits.float(), dim=-1)[torch.arange(len(drafts)), drafts]
+            low = (conf < draft_threshold).nonzero()
+            n_draft = max(1, int(low[0, 0])) if len(low) else len(drafts)
+            drafts = drafts[:n_draft]
+            q_probs = None if q_probs is None else q_probs[:n_draft]
         ids = torch.tensor([[last] + drafts], device=dev)
         out = target(input_ids=ids, cache=cache, use_cache=True,
                      output_hidden_states=True)
         result.target_forwards += 1
         accepted = _verify(out.logits[0], drafts, q_probs, temperature, generator)
         n_acc = len(accepted) - 1                # drafts accepted
-        if n_acc < b - 1:                         # roll back past the first rejection
-            cache.crop(-(b - 1 - n_acc))
+        if n_acc < len(drafts):                   # roll back past the first rejection
+            cache.crop(-(len(drafts) - n_acc))
         new_context = drafter.context_features(out.hidden_states)[:, : n_acc + 1]
         result.accept_lengths.append(len(accepted))
+        result.draft_lengths.append(len(drafts))
         result.context_lengths.append(committed)
         if eos_token_id in accepted:
             accepted = accepted[: accepted.index(eos_token_id) + 1]
