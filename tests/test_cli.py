@@ -42,9 +42,24 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
     assert report["sharp"]["mode"] == ("fixed_slope" if sharp == "--sharp" else "none")
 
 
-def test_generate_rejects_bad_kjv_context(checkpoint):
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--kjv-context", "0"], "--kjv-context"),
+    (["generate", "--n-ref", "0"], "--n-ref"),
+    (["generate", "--threads", "0"], "--threads"),
+    (["generate", "--draft-threshold", "1.5"], "--draft-threshold"),
+    (["generate", "--temperature", "-1"], "--temperature"),
+    (["bench", "--lengths", "1024", "0"], "--lengths"),
+    (["bench", "--maths", "-1"], "--maths"),
+])
+def test_bad_options_are_argparse_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:        # before any model is loaded
+        cli.main(argv + ["--target", "/nonexistent"])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_kjv_context_beyond_genesis_names_the_flag(checkpoint):
     with pytest.raises(ValueError, match="--kjv-context"):
-        cli.main(["generate", "--target", str(checkpoint), "--kjv-context", "0"])
+        cli.main(["generate", "--target", str(checkpoint), "--kjv-context", "10000000"])
 
 
 def test_bench_table_summarises_each_kind():

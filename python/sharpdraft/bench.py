@@ -35,8 +35,19 @@ def kjv_text(book: str = KJV_BOOK) -> str:
 
 
 def maths_problems(n: int) -> List[str]:
-    """The first n problems of champ-dataset (PyPI `champ-dataset`)."""
-    dist = importlib.metadata.distribution("champ-dataset")
+    """The first n problems of champ-dataset (PyPI `champ-dataset`).
+
+    Raises:
+        ModuleNotFoundError: n > 0 and champ-dataset is not installed (the message says how).
+    """
+    if n == 0:
+        return []
+    try:
+        dist = importlib.metadata.distribution("champ-dataset")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError("--maths needs the champ-dataset package: pip install "
+                                  "champ-dataset==1.0.0 (or the [bench] extra), or pass --maths 0"
+                                  ) from None
     path = next(f for f in dist.files if f.name == "v0.json")
     problems = json.loads(Path(dist.locate_file(path)).read_text())["problems"]
     return [p["_text"] for p in list(problems.values())[:n]]
