@@ -5,7 +5,6 @@ Each case starts from a valid call (checked to succeed) and breaks exactly one a
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -352,8 +352,8 @@ def test_varlen_against_scalar_loops():
     g = make_gen(17)
     Hq, Hk, D = 4, 2, 5
     lq, lk = [3, 0, 4, 2], [5, 3, 0, 2]
-    cu_q = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32)
-    cu_k = torch.tensor([0, 5, 8, 8, 10], dtype=torch.int32)
+    cu_q = torch.tensor([0] + lq).cumsum(0).int()      # [0, 3, 3, 7, 9]
+    cu_k = torch.tensor([0] + lk).cumsum(0).int()      # [0, 5, 8, 8, 10]
     q, k, v = randn((9, Hq, D), gen=g), randn((10, Hk, D), gen=g), randn((10, Hk, D), gen=g)
     nv = torch.arange(9 * Hq).reshape(9, Hq) + 1
     for kw in (dict(causal=True, n_ref=2), dict(n_ref=2, slope=0.4, n_visible=nv),

@@ -8,7 +8,6 @@ fresh random combinations on top.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

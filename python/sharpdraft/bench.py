@@ -29,13 +29,8 @@ KJV_BOOK = "Ge"  # Genesis 1:1-50:26, held out from drafter training
 KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
 
 
-def kjv_text(book: str = KJV_BOOK) -> str:
-    """KJV verses of one book as plain text, one verse per line (references dropped)."""
-    return data.kjv_text(book)
-
-
 def maths_problems(n: int) -> List[str]:
-    """The first n problems of champ-dataset (PyPI `champ-dataset`).
+    """The first n problems of champ-dataset (PyPI `champ-dataset`), via `data.champ_problems`.
 
     Raises:
         ModuleNotFoundError: n > 0 and champ-dataset is not installed (the message says how).
@@ -43,14 +38,11 @@ def maths_problems(n: int) -> List[str]:
     if n == 0:
         return []
     try:
-        dist = importlib.metadata.distribution("champ-dataset")
+        return [p["problem"] for p in data.champ_problems()[:n]]
     except importlib.metadata.PackageNotFoundError:
         raise ModuleNotFoundError("--maths needs the champ-dataset package: pip install "
                                   "champ-dataset==1.0.0 (or the [bench] extra), or pass --maths 0"
                                   ) from None
-    path = next(f for f in dist.files if f.name == "v0.json")
-    problems = json.loads(Path(dist.locate_file(path)).read_text())["problems"]
-    return [p["_text"] for p in list(problems.values())[:n]]
 
 
 def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
@@ -59,7 +51,7 @@ def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
     Raises:
         ValueError: n_tokens < 1 or beyond the book (`what` names the argument).
     """
-    words = tokenizer(kjv_text(), add_special_tokens=False).input_ids
+    words = tokenizer(data.kjv_text(KJV_BOOK), add_special_tokens=False).input_ids
     if not 1 <= n_tokens <= len(words):
         raise ValueError(f"{what}: {n_tokens} must lie in [1, {len(words)}] (Genesis, tokens)")
     return tokenizer.decode(words[:n_tokens])
@@ -81,6 +73,13 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     return prompts
 
 
+def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0) -> None:
+    """A few tokens of target-only and speculative decoding on a short prefix of `ids`, so that
+    one-time costs (allocator, op dispatch) stay out of the timed runs."""
+    autoregressive_generate(target, ids[:, :64], 2)
+    speculative_generate(target, drafter, ids[:, :64], 2, draft_threshold=draft_threshold)
+
+
 def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: float,
               n_ref: int, out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
     """Run AR, frozen DFlash and DFlash + SharpDraft (greedy) on every prompt; write reports.
@@ -91,11 +90,9 @@ def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: f
                "dflash-sharp": SharpConfig(mode="fixed_slope", slope=slope, n_ref=n_ref)}
     rows = []
     eos = tokenizer.eos_token_id
-    warm = prompts[0]["ids"][:, :64]   # one-time costs (allocator, op dispatch) stay out of timings
-    autoregressive_generate(target, warm, 4, eos_token_id=eos)
     for sharp in methods.values():
         drafter.sharp = sharp
-        speculative_generate(target, drafter, warm, 4, eos_token_id=eos)
+        warm_up(target, drafter, prompts[0]["ids"], draft_threshold)
     for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
         ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
         row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
-from .bench import KJV_TASK, build_prompts, kjv_passage, run_bench
+from .bench import KJV_TASK, build_prompts, kjv_passage, run_bench, warm_up
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .engine import GenerationResult, autoregressive_generate, speculative_generate
 from .models import load_target
@@ -108,10 +108,8 @@ def cmd_generate(args) -> dict:
     drafter = build_drafter(target, tokenizer, args)
     gen = torch.Generator().manual_seed(args.seed)
     common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen)
-    if args.compare_ar:  # warm-up: one-time costs (allocator, op dispatch) stay out of the timings
-        warm = ids[:, :64]
-        autoregressive_generate(target, warm, 2)
-        speculative_generate(target, drafter, warm, 2, draft_threshold=args.draft_threshold)
+    if args.compare_ar:
+        warm_up(target, drafter, ids, args.draft_threshold)
     spec = _run("speculative", lambda progress: speculative_generate(
         target, drafter, ids, args.max_new_tokens, progress=progress,
         draft_threshold=args.draft_threshold, **common), args.max_new_tokens)

