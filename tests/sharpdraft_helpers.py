@@ -20,3 +20,22 @@ def tiny_drafter(target, seed: int = 1, block_size: int = 4, **kw) -> DFlashDraf
     cfg = DFlashConfig.from_target(target.config, mask_token_id=0, num_layers=2,
                                    block_size=block_size, num_features=2, **kw)
     return DFlashDrafter(cfg).eval()
+
+
+def tiny_eagle3(target, seed: int = 2, **kw):
+    """A random EAGLE-3 drafter fusing layers 0, 2 and 3 of `target`."""
+    from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.from_target(target.config, target_layer_ids=[0, 2, 3], **kw)
+    return Eagle3Drafter(cfg).eval()
+
+
+def tiny_pard(target, seed: int = 3, **kw):
+    """A PARD drafter started from the first 2 layers of `target` (random mask embedding)."""
+    from sharpdraft.drafters.pard import PARDConfig, PARDDrafter
+    torch.manual_seed(seed)
+    d = PARDDrafter(PARDConfig.from_target(target.config, num_layers=2, **kw))
+    d.init_from_target(target)
+    with torch.no_grad():
+        d.mask_embedding.normal_()
+    return d.eval()

@@ -42,7 +42,22 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
     assert report["sharp"]["mode"] == ("fixed_slope" if sharp == "--sharp" else "none")
 
 
+@pytest.mark.parametrize("drafter", [["--drafter", "eagle3"], ["--drafter", "eagle3", "--tree"],
+                                     ["--drafter", "pard", "--drafter-layers", "1"]])
+def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
+    rc = cli.main(["generate", "--target", str(checkpoint), "--prompt",
+                   "the lord god said unto him and her", "--no-chat-template",
+                   "--max-new-tokens", "10", "--compare-ar", "--json", "--threads", "1"] + drafter)
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_to_ar"] is True and report["new_tokens"] == 10
+    assert report["drafter"] == drafter[1] + ("-tree" if "--tree" in drafter else "")
+
+
 @pytest.mark.parametrize("argv, flag", [
+    (["generate", "--tree"], "--tree"),
+    (["generate", "--drafter", "eagle3", "--tree", "--draft-threshold", "0.5"], "--tree"),
+    (["generate", "--block-size", "1"], "--block-size"),
     (["generate", "--kjv-context", "0"], "--kjv-context"),
     (["generate", "--n-ref", "0"], "--n-ref"),
     (["generate", "--threads", "0"], "--threads"),

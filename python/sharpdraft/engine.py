@@ -1,8 +1,8 @@
-"""Chain speculative decoding (batch size 1) with a DFlash drafter, and the target-only baseline.
+"""Speculative decoding (batch size 1) with any drafter, and the target-only baseline.
 
-One step: the drafter proposes b - 1 tokens after the last committed token; the target runs once
-over [last token ; drafts] on top of its KV cache; the longest accepted prefix plus one token
-from the target (the correction at the first rejection, or the bonus token after a fully
+One step: the drafter proposes up to `max_drafts` tokens after the last committed token; the
+target runs once over [last token ; drafts] on top of its KV cache; the longest accepted prefix
+plus one token from the target (the correction at the first rejection, or the bonus token after a fully
 accepted block) is committed, and the target cache is cropped back past the first rejection.
 
 - temperature 0: a draft is accepted iff it equals the target's argmax, so the output is
@@ -32,7 +32,6 @@ from typing import Dict, List, Optional
 import torch
 from transformers import DynamicCache
 
-from .drafters.dflash import DFlashDrafter
 
 
 @dataclass
@@ -192,19 +191,21 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tensor,
+def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
                          max_new_tokens: int, *, temperature: float = 0.0,
                          eos_token_id: Optional[int] = None,
                          generator: Optional[torch.Generator] = None,
                          progress=None, draft_threshold: float = 0.0) -> GenerationResult:
-    """Chain speculative decoding with a DFlash drafter (batch size 1), lossless.
+    """Chain speculative decoding with any drafter (batch size 1), lossless.
 
     Args:
-        target: a transformers causal LM; its hidden states feed the drafter.
-        drafter: a DFlashDrafter built for this target (its `sharp` config is used as is).
+        target: a transformers causal LM.
+        drafter: a `sharpdraft.drafters.base.Drafter` built for this target (DFlash, EAGLE-3,
+            PARD; its `sharp` config is used as is). Its session proposes up to
+            `drafter.max_drafts` tokens per step.
         prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
             `autoregressive_generate`.
-        draft_threshold: in [0, 1]; 0 verifies the whole block, else drafts stop before the
+        draft_threshold: in [0, 1]; 0 verifies every proposed draft, else drafts stop before the
             first whose drafter probability is below it (at least one draft is kept).
 
     Raises:
@@ -217,26 +218,22 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tenso
     if not 0.0 <= draft_threshold <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
     tick = _Progress(progress)
-    b = drafter.config.block_size
+    hidden = drafter.needs_hidden_states
     dev = prompt_ids.device
     start = time.perf_counter()
-    cache, drafter_cache = DynamicCache(), DynamicCache()
-    out = target(input_ids=prompt_ids, cache=cache, use_cache=True,
-                 output_hidden_states=True)
-    new_context = drafter.context_features(out.hidden_states)   # positions not yet in drafter
+    cache = DynamicCache()
+    out = target(input_ids=prompt_ids, cache=cache, use_cache=True, output_hidden_states=hidden)
+    session = drafter.start(target, prompt_ids, out.hidden_states if hidden else None)
     last = _pick(out.logits[0, -1], temperature, generator)
     tokens = [last]
     tick(1)
-    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0, block_size=b)
+    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
+                              block_size=drafter.max_drafts + 1)
     while last != eos_token_id and len(tokens) < max_new_tokens:
         committed = cache.get_seq_length()        # = position of `last`
-        d_logits = drafter.draft_logits(target, last, committed, new_context, drafter_cache)
-        if temperature == 0:
-            q_probs = None
-            drafts = d_logits.argmax(-1).tolist()
-        else:
-            q_probs = _probs(d_logits, temperature)
-            drafts = torch.multinomial(q_probs, 1, generator=generator)[:, 0].tolist()
+        drafts, d_logits = session.propose(last, committed,
+                                           lambda row: _pick(row, temperature, generator))
+        q_probs = None if temperature == 0 else _probs(d_logits, temperature)
         if draft_threshold > 0:
             conf = torch.softmax(d_logits.float(), dim=-1)[torch.arange(len(drafts)), drafts]
             low = (conf < draft_threshold).nonzero()
@@ -244,16 +241,119 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt_ids: torch.Tenso
             drafts = drafts[:n_draft]
             q_probs = None if q_probs is None else q_probs[:n_draft]
         ids = torch.tensor([[last] + drafts], device=dev)
-        out = target(input_ids=ids, cache=cache, use_cache=True,
-                     output_hidden_states=True)
+        out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
         result.target_forwards += 1
         accepted = _verify(out.logits[0], drafts, q_probs, temperature, generator)
         n_acc = len(accepted) - 1                # drafts accepted
         if n_acc < len(drafts):                   # roll back past the first rejection
             cache.crop(-(len(drafts) - n_acc))
-        new_context = drafter.context_features(out.hidden_states)[:, : n_acc + 1]
+        session.commit(accepted, out.hidden_states if hidden else None)
         result.accept_lengths.append(len(accepted))
         result.draft_lengths.append(len(drafts))
+        result.context_lengths.append(committed)
+        if eos_token_id in accepted:
+            accepted = accepted[: accepted.index(eos_token_id) + 1]
+        accepted = accepted[: max_new_tokens - len(tokens)]
+        tokens.extend(accepted)
+        tick(len(accepted))
+        last = tokens[-1]
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _keep_cache_rows(cache: DynamicCache, start: int, rows: List[int]) -> None:
+    """Keep entries [0, start) and then start + rows (in that order) of every cache layer."""
+    for layer in cache.layers:
+        idx = torch.tensor(list(range(start)) + [start + r for r in rows],
+                           device=layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> tuple:
+    """Walk a draft tree against target logits; returns (accepted node indices, committed tokens).
+
+    p_logits: (1 + N, vocab); row 0 is the target's distribution after the root (the last
+    committed token), row 1 + i after node i. Greedy: descend into the child equal to the
+    target's argmax while one exists. Sampling: recursive rejection over the children, each a
+    fixed (point-mass) proposal: child x is accepted with probability p(x); on rejection p
+    becomes norm(p with x set to 0) and the next sibling is tried; after the last sibling a token
+    is drawn from what is left. Either way the committed tokens follow the target's own
+    distribution (greedy: equal its argmax).
+    """
+    path, out, node = [], [], -1
+    while True:
+        row = p_logits[node + 1]
+        kids = tree.children(node)
+        if temperature == 0:
+            best = int(row.argmax())
+            nxt = next((c for c in kids if tree.tokens[c] == best), None)
+            if nxt is None:
+                return path, out + [best]
+        else:
+            p = _probs(row, temperature)
+            nxt = None
+            for c in kids:
+                x = tree.tokens[c]
+                if float(torch.rand((), generator=generator)) < float(p[x]):
+                    nxt = c
+                    break
+                p = p.clone()
+                p[x] = 0.0
+                p = p / p.sum()
+            if nxt is None:
+                return path, out + [int(torch.multinomial(p, 1, generator=generator))]
+        path.append(nxt)
+        out.append(tree.tokens[nxt])
+        node = nxt
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
+                              temperature: float = 0.0, eos_token_id: Optional[int] = None,
+                              generator: Optional[torch.Generator] = None,
+                              progress=None) -> GenerationResult:
+    """Tree speculative decoding (batch size 1), lossless, with a drafter whose session has
+    `propose_tree` (EAGLE-3).
+
+    Each step the drafter proposes a tree of N nodes (`DraftTree`); the target runs once over
+    [last ; nodes] with a tree mask (every node sees the committed prefix, the root, its
+    ancestors and itself, at position P + depth); `verify_tree` commits the accepted path plus one
+    target token, and the target cache keeps only the path's entries.
+
+    Args: as `speculative_generate` (no draft_threshold). Returns: GenerationResult
+    (draft_lengths holds the tree sizes).
+    """
+    _check(prompt_ids, max_new_tokens, temperature)
+    tick = _Progress(progress)
+    dev = prompt_ids.device
+    start = time.perf_counter()
+    cache = DynamicCache()
+    out = target(input_ids=prompt_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    session = drafter.start(target, prompt_ids, out.hidden_states)
+    last = _pick(out.logits[0, -1], temperature, generator)
+    tokens = [last]
+    tick(1)
+    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
+                              block_size=drafter.config.tree_depth + 1)
+    while last != eos_token_id and len(tokens) < max_new_tokens:
+        committed = cache.get_seq_length()
+        tree = session.propose_tree(last, committed)
+        n = len(tree)
+        mask = torch.zeros(1 + n, committed + 1 + n, dtype=torch.bool, device=dev)
+        mask[:, :committed + 1] = True
+        mask[1:, committed + 1:] = tree.mask(dev)
+        pos = torch.tensor([[committed] + [committed + d for d in tree.depths]], device=dev)
+        ids = torch.tensor([[last] + tree.tokens], device=dev)
+        out = target(input_ids=ids, attention_mask=mask[None, None], position_ids=pos,
+                     cache=cache, use_cache=True, output_hidden_states=True)
+        result.target_forwards += 1
+        path, accepted = verify_tree(out.logits[0], tree, temperature, generator)
+        _keep_cache_rows(cache, committed + 1, path)
+        rows = torch.tensor([0] + [1 + i for i in path], device=dev)
+        session.commit(accepted, tuple(h.index_select(1, rows) for h in out.hidden_states))
+        result.accept_lengths.append(len(accepted))
+        result.draft_lengths.append(n)
         result.context_lengths.append(committed)
         if eos_token_id in accepted:
             accepted = accepted[: accepted.index(eos_token_id) + 1]

@@ -145,6 +145,18 @@ def target_to_draft(d2t: Optional[torch.Tensor], vocab_size: int) -> Optional[to
     return t2d
 
 
+def soft_cross_entropy(logits: torch.Tensor, top_p: torch.Tensor,
+                       top_i: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of drafter logits (..., V) against the target's top-k distribution
+    (top_p, top_i (..., k); ids in the drafter's vocabulary, -1 = outside it, dropped before
+    renormalising); returns (...)."""
+    logq = torch.log_softmax(logits, dim=-1)
+    top_i = top_i.long()
+    p = top_p.float() * (top_i >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
+    return -(p * logq.gather(-1, top_i.clamp_min(0))).sum(-1)
+
+
 def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
                  weights: torch.Tensor):
     """Weighted soft cross-entropy against the target's renormalised top-k distribution.
@@ -158,11 +170,7 @@ def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
     Returns:
         (loss, per-row mean cross-entropy (b - 1,)).
     """
-    logq = torch.log_softmax(logits, dim=-1)
-    top_i = top_i.long()
-    p = top_p.float() * (top_i >= 0)
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
-    ce = -(p * logq.gather(-1, top_i.clamp_min(0))).sum(-1)       # (K, b - 1)
+    ce = soft_cross_entropy(logits, top_p, top_i)                  # (K, b - 1)
     per_row = ce.mean(0)
     return (per_row * weights).sum() / weights.sum(), per_row.detach()
 
@@ -376,7 +384,6 @@ def train(drafter: DFlashDrafter, target, train_cache: Dict[str, torch.Tensor],
 
 # ----- command line ---------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("drafter", choices=["dflash"], help="the drafter to train")
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tokens", type=int, default=131072, help="training tokens to cache")

@@ -15,14 +15,10 @@ weights only).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import List, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
@@ -31,9 +27,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 import sharpdraft_ext as ext
 
 from ..attention import SharpConfig
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+from .base import Drafter, draw_rows
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -189,12 +183,14 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(Drafter):
     """The DFlash drafter (see the module docstring). Build it with `DFlashDrafter(config)`.
 
     `sharp` (a SharpConfig) selects the attention scaling at inference; its default is the
     frozen drafter (mode "none") with n_ref = config.train_context.
     """
+
+    config_class = DFlashConfig
 
     def __init__(self, config: DFlashConfig, sharp: Optional[SharpConfig] = None):
         super().__init__()
@@ -206,35 +202,7 @@ class DFlashDrafter(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
         self.sharp = sharp or SharpConfig(mode="none", n_ref=config.train_context)
-        if config.draft_vocab_size is not None:  # draft id -> target id (set by training)
-            self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
-        else:
-            self.d2t = None
-
-    # ----- vocabulary -----------------------------------------------------------------------
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Set the draft vocabulary: `target_ids` (draft_vocab_size,) distinct target token ids.
-
-        Raises:
-            ValueError: the drafter has no draft vocabulary, or target_ids has the wrong shape or
-                repeats an id.
-        """
-        if self.d2t is None:
-            raise ValueError("set_draft_vocab: this drafter drafts over the full target vocabulary"
-                             " (config.draft_vocab_size is None)")
-        ids = torch.as_tensor(target_ids, dtype=torch.long)
-        if ids.shape != self.d2t.shape or ids.unique().numel() != ids.numel():
-            raise ValueError(f"set_draft_vocab: target_ids must be {tuple(self.d2t.shape)} "
-                             f"distinct ids, got shape {tuple(ids.shape)}")
-        self.d2t.copy_(ids)
-
-    def head(self, target, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary through the target's LM head (rows d2t), float32."""
-        lm_head = target.get_output_embeddings()
-        if self.d2t is None:
-            return lm_head(h).float()
-        bias = lm_head.bias[self.d2t] if getattr(lm_head, "bias", None) is not None else None
-        return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
+        self._init_draft_vocab(config.draft_vocab_size)
 
     # ----- context ------------------------------------------------------------------------
     def context_features(self, hidden_states) -> torch.Tensor:
@@ -334,35 +302,30 @@ class DFlashDrafter(nn.Module):
         tn = new_context.shape[1]
         ctx_pos = torch.arange(position - tn, position, device=dev)[None]
         h = self(target.get_input_embeddings()(ids), pos, new_context, ctx_pos, cache=cache)
-        logits = self.head(target, h[0, 1:])
-        if self.d2t is None:
-            return logits
-        full = logits.new_full((b - 1, target.get_output_embeddings().weight.shape[0]),
-                               float("-inf"))
-        return full.index_copy_(1, self.d2t, logits)
+        return self.to_target_vocab(target, self.head(target, h[0, 1:]))
 
-    # ----- checkpoints ------------------------------------------------------------------------
-    def save(self, folder) -> None:
-        """Write config.json and model.safetensors (the drafter's own weights) to `folder`."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()},
-                  str(folder / WEIGHTS_FILE))
+    # ----- inference sessions (see drafters.base) --------------------------------------------
+    @property
+    def max_drafts(self) -> int:
+        return self.config.block_size - 1
 
-    @classmethod
-    def load(cls, folder, sharp: Optional[SharpConfig] = None,
-             device: Optional[torch.device] = None) -> "DFlashDrafter":
-        """Build a drafter from a folder written by `save`.
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states) -> "DFlashSession":
+        """A draft session after the target's prefill forward over `prompt_ids`."""
+        return DFlashSession(self, target, self.context_features(hidden_states))
 
-        Raises:
-            FileNotFoundError: `folder` lacks config.json or model.safetensors.
-        """
-        folder = Path(folder)
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (folder / name).exists():
-                raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
-        config = DFlashConfig(**json.loads((folder / CONFIG_FILE).read_text()))
-        model = cls(config, sharp)
-        model.load_state_dict(load_file(str(folder / WEIGHTS_FILE), device=str(device or "cpu")))
-        return model.eval()
+
+class DFlashSession:
+    """Chain drafting state: the drafter KV cache and the context features not yet in it."""
+
+    def __init__(self, drafter: DFlashDrafter, target, new_context: torch.Tensor):
+        self.drafter, self.target = drafter, target
+        self.cache = DynamicCache()
+        self.new_context = new_context
+
+    def propose(self, last: int, position: int, draw) -> tuple:
+        return draw_rows(self.drafter.draft_logits(self.target, last, position, self.new_context,
+                                                   self.cache), draw)
+
+    def commit(self, accepted: List[int], hidden_states) -> None:
+        feats = self.drafter.context_features(hidden_states)
+        self.new_context = feats[:, :len(accepted)]

@@ -1,0 +1,112 @@
+"""What every drafter shares: a reduced draft vocabulary borrowed from the target's LM head, and
+a checkpoint folder holding only the drafter's own weights.
+
+A drafter subclasses `Drafter`, sets `config_class` (a dataclass serialised as config.json) and
+implements `start(target, prompt_ids, hidden_states)`, which returns a draft session:
+
+    session.propose(last, position, draw) -> (drafts, logits): n <= max_drafts draft tokens
+        and their float32 logits (n, target vocab); row j - 1 is the distribution draft j was
+        drawn from (`draw(row) -> token id`, argmax or a sample), given the committed tokens,
+        `last` (committed, at `position`) and drafts 1 .. j - 1.
+    session.commit(accepted, hidden_states) -> None; `accepted` are the tokens the verification
+        committed after `last` (accepted drafts, then the target's own token), `hidden_states`
+        the target's hidden states of the verification rows ([last] + drafts), or None when the
+        drafter does not read them (`needs_hidden_states` False).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def crop_to(cache, length: int) -> None:
+    """Drop the entries of a DynamicCache past the first `length` positions."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def draw_rows(logits: torch.Tensor, draw) -> tuple:
+    """Parallel drafters: draft j is drawn from row j - 1 alone; returns (drafts, logits)."""
+    return [draw(row) for row in logits], logits
+
+
+class Drafter(nn.Module):
+    """Base class: draft vocabulary (`d2t` buffer), LM head borrowed from the target, save/load."""
+
+    config_class = None
+    needs_hidden_states = True
+
+    def _init_draft_vocab(self, draft_vocab_size: Optional[int]) -> None:
+        if draft_vocab_size is not None:  # draft id -> target id (set by training)
+            self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
+        else:
+            self.d2t = None
+
+    # ----- vocabulary -----------------------------------------------------------------------
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Set the draft vocabulary: `target_ids` (draft_vocab_size,) distinct target token ids.
+
+        Raises:
+            ValueError: the drafter has no draft vocabulary, or target_ids has the wrong shape or
+                repeats an id.
+        """
+        if self.d2t is None:
+            raise ValueError("set_draft_vocab: this drafter drafts over the full target vocabulary"
+                             " (config.draft_vocab_size is None)")
+        ids = torch.as_tensor(target_ids, dtype=torch.long)
+        if ids.shape != self.d2t.shape or ids.unique().numel() != ids.numel():
+            raise ValueError(f"set_draft_vocab: target_ids must be {tuple(self.d2t.shape)} "
+                             f"distinct ids, got shape {tuple(ids.shape)}")
+        self.d2t.copy_(ids)
+
+    def head(self, target, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary through the target's LM head (rows d2t), float32."""
+        lm_head = target.get_output_embeddings()
+        if self.d2t is None:
+            return lm_head(h).float()
+        bias = lm_head.bias[self.d2t] if getattr(lm_head, "bias", None) is not None else None
+        return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
+
+    def to_target_vocab(self, target, logits: torch.Tensor) -> torch.Tensor:
+        """(n, draft vocab) logits -> (n, target vocab), -inf outside the draft vocabulary (so
+        the draft assigns those tokens probability 0 and sampling stays lossless)."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((logits.shape[0], target.get_output_embeddings().weight.shape[0]),
+                               float("-inf"))
+        return full.index_copy_(1, self.d2t, logits)
+
+    # ----- checkpoints ------------------------------------------------------------------------
+    def save(self, folder) -> None:
+        """Write config.json and model.safetensors (the drafter's own weights) to `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()},
+                  str(folder / WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, folder, sharp=None, device: Optional[torch.device] = None):
+        """Build a drafter from a folder written by `save`.
+
+        Raises:
+            FileNotFoundError: `folder` lacks config.json or model.safetensors.
+        """
+        folder = Path(folder)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
+        config = cls.config_class(**json.loads((folder / CONFIG_FILE).read_text()))
+        model = cls(config, sharp)
+        model.load_state_dict(load_file(str(folder / WEIGHTS_FILE), device=str(device or "cpu")))
+        return model.eval()

@@ -1,0 +1,417 @@
+"""EAGLE-3 drafter: one decoder layer reading the token embedding and fused target features.
+
+Row t of the drafter holds the pair (g_t, x_{t+1}): g_t is a linear fusion (``fc``) of the
+target's hidden states at position t from a low, a middle and a high layer, x_{t+1} the next
+token. The layer's input concatenates RMSNorm(embedding(x_{t+1})) with RMSNorm(g_t), so its
+query/key/value projections read twice the hidden width; the residual stream starts from g_t.
+The output predicts x_{t+2} through the final norm and the target's LM head restricted to a
+reduced draft vocabulary (`d2t`, the most frequent target tokens of the training corpus).
+
+Drafting past the committed text: the output of row t replaces the target feature as the
+hidden input of the next row (position t + 1, with the drafted token), so a chain of d drafts
+costs d single-row forwards. EAGLE 3.1 options (both on by default): an RMSNorm on each fused
+feature before ``fc`` (`norm_features`), and feeding the normalised output forward
+(`feed_normed_output`). Attention is causal over the drafter's own KV cache, through
+`sharpdraft_ext.sharp_attention`: a chain row at position t sees n_i = t + 1 keys; a tree row
+sees the committed rows plus its ancestors, passed as attn_mask, so n_i = position + 1 too.
+
+RoPE is computed from positions on the fly (no table), so nothing is sized from the training
+length: the drafter runs at any context the target runs at.
+
+Training (`ttt_logits`, training-time test): step 0 runs the rows on the target's features;
+step d >= 1 feeds every row the output of step d - 1 at the same index and the token d places
+further, and lets it attend to the step-0 rows up to its index plus its own step 1 .. d rows,
+exactly what the d-th draft sees at inference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding, apply_rotary_pos_emb)
+
+import sharpdraft_ext as ext
+
+from ..attention import SharpConfig
+from .base import Drafter, crop_to
+
+
+@dataclass
+class Eagle3Config:
+    """Geometry and drafting defaults of an EAGLE-3 drafter (serialised as config.json).
+
+    target_layer_ids: the low, middle and high target layers fused into g (index l = output of
+    decoder layer l). chain_length: drafts per step in chain mode. tree_topk, tree_depth,
+    tree_tokens: tree drafting (children per expanded node, depth, nodes verified).
+    train_context: training context length (SharpDraft's default n_ref).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    target_layer_ids: List[int]
+    train_context: int = 1024
+    draft_vocab_size: Optional[int] = None
+    norm_features: bool = True
+    feed_normed_output: bool = True
+    chain_length: int = 5
+    tree_topk: int = 4
+    tree_depth: int = 5
+    tree_tokens: int = 16
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
+                                                           "rope_theta": 10000.0})
+
+    def __post_init__(self):
+        for name in ("chain_length", "tree_topk", "tree_depth", "tree_tokens", "train_context"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Eagle3Config.{name} must be >= 1, got {getattr(self, name)}")
+        if len(self.target_layer_ids) < 1:
+            raise ValueError("Eagle3Config.target_layer_ids must name at least one target layer")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"Eagle3Config.draft_vocab_size must be None or >= 2, got "
+                             f"{self.draft_vocab_size}")
+
+    @classmethod
+    def from_target(cls, target_config, target_layer_ids: Optional[List[int]] = None,
+                    **kwargs) -> "Eagle3Config":
+        """The target's width; fused layers default to (2, L // 2, L - 3) of L target layers."""
+        t = target_config
+        L = t.num_hidden_layers
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        base = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                    num_attention_heads=t.num_attention_heads,
+                    num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
+                    target_hidden_size=t.hidden_size,
+                    target_layer_ids=list(target_layer_ids or [min(2, L - 1), L // 2,
+                                                               max(0, L - 3)]),
+                    rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+                    max_position_embeddings=t.max_position_embeddings,
+                    rope_parameters=dict(t.rope_parameters))
+        return cls(**{**base, **kwargs})
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           num_hidden_layers=1, rms_norm_eps=self.rms_norm_eps,
+                           hidden_act=self.hidden_act,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
+
+
+def _attend(q, k, v, sharp: SharpConfig, causal: bool, attn_mask):
+    if torch.is_grad_enabled() and q.requires_grad:
+        # the fused kernel has no backward: train through the differentiable reference
+        return ext.reference.sharp_attention_ref(q, k, v, causal=causal, attn_mask=attn_mask,
+                                                 upcast=False, **sharp.kernel_kwargs())
+    return ext.sharp_attention(q, k, v, causal=causal, attn_mask=attn_mask,
+                               **sharp.kernel_kwargs())
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v read the 2 * hidden input."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def qkv(self, x: torch.Tensor, rope):
+        q = self._heads(self.q_proj(x), self.num_heads)
+        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class Eagle3Drafter(Drafter):
+    """The EAGLE-3 drafter (see the module docstring). `sharp` selects the attention scaling
+    (default: frozen, n_ref = config.train_context)."""
+
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config, sharp: Optional[SharpConfig] = None):
+        super().__init__()
+        self.config = config
+        h, ht, n = config.hidden_size, config.target_hidden_size, len(config.target_layer_ids)
+        eps = config.rms_norm_eps
+        self.register_buffer("feature_scale", torch.ones(n * ht), persistent=True)
+        self.feature_norms = nn.ModuleList(LlamaRMSNorm(ht, eps=eps) for _ in range(n)
+                                           ) if config.norm_features else None
+        self.fc = nn.Linear(n * ht, h, bias=False)
+        self.input_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
+        self.mlp = LlamaMLP(config.llama_config())
+        self.norm = LlamaRMSNorm(h, eps=eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config.llama_config())
+        self.sharp = sharp or SharpConfig(mode="none", n_ref=config.train_context)
+        self._init_draft_vocab(config.draft_vocab_size)
+
+    # ----- pieces -------------------------------------------------------------------------------
+    def context_features(self, hidden_states) -> torch.Tensor:
+        """(B, T, n * target_hidden): the selected target layers' outputs, concatenated."""
+        return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """g = fc(per-feature RMSNorm(features * feature_scale)): (..., n * Ht) -> (..., H)."""
+        x = features * self.feature_scale.to(features.dtype)
+        if self.feature_norms is not None:
+            parts = x.split(self.config.target_hidden_size, dim=-1)
+            x = torch.cat([norm(p) for norm, p in zip(self.feature_norms, parts)], dim=-1)
+        return self.fc(x)
+
+    def _layer_in(self, embeds, hidden):
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def _layer_out(self, hidden, attn_out):
+        x = hidden + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        normed = self.norm(x)
+        return normed, (normed if self.config.feed_normed_output else x)
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             cache: Optional[DynamicCache], attn_mask: Optional[torch.Tensor] = None):
+        """One pass of the layer over rows appended to `cache`.
+
+        Args:
+            embeds: (B, L, H) token embeddings (of x_{t+1} for row t). hidden: (B, L, H) fused
+                target features g or fed-forward drafter outputs. positions: (B, L) int64.
+            cache: the drafter's DynamicCache (rows appended in place) or None.
+            attn_mask: None (bottom-right causal over [cache ; rows]) or bool broadcastable to
+                (B, Hq, L, cached + L), True = visible.
+
+        Returns:
+            (normed output (B, L, H) for the LM head, hidden input of the next draft row).
+        """
+        q, k, v = self.self_attn.qkv(self._layer_in(embeds, hidden),
+                                     self.rotary_emb(embeds, positions))
+        if cache is not None:
+            k, v = cache.update(k, v, 0)
+        o = _attend(q, k, v, self.sharp, causal=attn_mask is None and q.shape[2] > 1,
+                    attn_mask=attn_mask)
+        return self._layer_out(hidden, self.self_attn.out(o))
+
+    # ----- training -----------------------------------------------------------------------------
+    def ttt_logits(self, target, features: torch.Tensor, ids: torch.Tensor,
+                   steps: int) -> List[torch.Tensor]:
+        """Training-time test over one sequence: logits of `steps` drafting depths.
+
+        Args:
+            features: (T, n * Ht) target features at positions 0 .. T - 1 (raw; fused here).
+            ids: (T,) int64 token ids of the same positions.
+            steps: drafting depths simulated (>= 1).
+
+        Returns:
+            list over d = 0 .. steps - 1 of (T - 1 - d, V) float32 logits over the draft
+            vocabulary: row t of depth d predicts the token at position t + d + 2 (its target is
+            the target's distribution at position t + d + 1).
+        """
+        T = ids.shape[0]
+        if steps < 1 or steps > T - 1:
+            raise ValueError(f"steps must lie in [1, {T - 1}], got {steps}")
+        emb = target.get_input_embeddings()
+        rows = T - 1                                     # row t needs x_{t+1}
+        pos = torch.arange(rows, device=ids.device)[None]
+        hidden = self.fuse(features[None, :rows])
+        keys, values, out = [], [], []
+        for d in range(steps):
+            n = rows - d                                  # rows whose token x_{t+1+d} exists
+            x = self._layer_in(emb(ids[None, 1 + d:]), hidden[:, :n])
+            q, k, v = self.self_attn.qkv(x, self.rotary_emb(x, pos[:, :n] + d))
+            keys.append(k)
+            values.append(v)
+            # visible: step-0 keys at index <= t, then this row's own step 1 .. d keys
+            t = torch.arange(n, device=ids.device)
+            vis0 = t[None, :] <= t[:, None]
+            diag = torch.eye(n, dtype=torch.bool, device=ids.device)
+            mask = torch.cat([vis0] + [diag] * d, dim=1)
+            kk = torch.cat([kd[:, :, :n] for kd in keys], dim=2)
+            vv = torch.cat([vd[:, :, :n] for vd in values], dim=2)
+            o = _attend(q, kk, vv, self.sharp, causal=False, attn_mask=mask)
+            normed, hidden = self._layer_out(hidden[:, :n], self.self_attn.out(o))
+            out.append(self.head(target, normed[0]))
+        return out
+
+    # ----- inference sessions (see drafters.base) --------------------------------------------
+    @property
+    def max_drafts(self) -> int:
+        return self.config.chain_length
+
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states) -> "Eagle3Session":
+        return Eagle3Session(self, target, prompt_ids[0].tolist(),
+                             self.context_features(hidden_states))
+
+
+class DraftTree:
+    """Draft tree: node i has token tokens[i], parent parents[i] (-1: the root, i.e. the last
+    committed token) and depth depths[i] >= 1; parents precede children."""
+
+    def __init__(self, tokens: List[int], parents: List[int], depths: List[int]):
+        self.tokens, self.parents, self.depths = tokens, parents, depths
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ancestors(self, i: int) -> List[int]:
+        """Node i and its ancestors (root excluded), root side first."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def mask(self, device=None) -> torch.Tensor:
+        """(N, N) bool: row i sees node j iff j is i or an ancestor of i."""
+        n = len(self)
+        m = torch.zeros(n, n, dtype=torch.bool, device=device)
+        for i in range(n):
+            m[i, self.ancestors(i)] = True
+        return m
+
+    def children(self, i: int) -> List[int]:
+        """Children of node i (-1: of the root), in proposal order."""
+        return [j for j, p in enumerate(self.parents) if p == i]
+
+
+class Eagle3Session:
+    """Drafting state: committed tokens, the drafter KV cache of rows 0 .. c - 1, and the target
+    features of the committed positions not yet run through the drafter."""
+
+    def __init__(self, drafter: Eagle3Drafter, target, tokens: List[int],
+                 features: torch.Tensor):
+        self.drafter, self.target = drafter, target
+        self.tokens = list(tokens)             # committed, without the pending `last`
+        self.pending = features                 # (1, P - c, n * Ht) for positions c .. P - 1
+        self.cache = DynamicCache()
+        self.last = None
+        self.emb = target.get_input_embeddings()
+
+    def _root(self, last: int, position: int):
+        """Run the pending rows (the last one pairs g_{P-1} with `last`); returns the output of
+        row P - 1 (normed, next hidden)."""
+        if position != len(self.tokens):
+            raise ValueError(f"EAGLE-3 session: position {position} != committed length "
+                             f"{len(self.tokens)}")
+        c = self.cache.get_seq_length()
+        dev = self.pending.device
+        ids = torch.tensor([self.tokens[c + 1:position] + [last]], device=dev)
+        pos = torch.arange(c, position, device=dev)[None]
+        normed, hidden = self.drafter.step(self.emb(ids), self.drafter.fuse(self.pending), pos,
+                                           self.cache)
+        self.pending = self.pending[:, :0]
+        self.last = last
+        return normed[:, -1:], hidden[:, -1:]
+
+    @torch.no_grad()
+    def propose(self, last: int, position: int, draw) -> tuple:
+        """Chain drafting: `chain_length` drafts, each fed back as the next row's token."""
+        d = self.drafter
+        normed, hidden = self._root(last, position)
+        drafts, logits = [], []
+        for j in range(d.config.chain_length):
+            row = d.to_target_vocab(self.target, d.head(self.target, normed[0]))[0]
+            logits.append(row)
+            drafts.append(draw(row))
+            if j + 1 == d.config.chain_length:
+                break
+            pos = torch.tensor([[position + j]], device=hidden.device)
+            normed, hidden = d.step(self.emb(torch.tensor([[drafts[-1]]], device=hidden.device)),
+                                    hidden, pos, self.cache)
+        crop_to(self.cache, position)         # keep the rows of committed positions only
+        return drafts, torch.stack(logits)
+
+    @torch.no_grad()
+    def propose_tree(self, last: int, position: int) -> DraftTree:
+        """Tree drafting (top-k expansion): at each depth the `tree_topk` best nodes by path
+        log-probability are expanded with their `tree_topk` most likely children; finally the
+        `tree_tokens` best nodes overall (an ancestor-closed set) form the tree."""
+        d = self.drafter
+        cfg = d.config
+        dev = self.pending.device
+        normed, hidden = self._root(last, position)
+        logp = torch.log_softmax(d.head(self.target, normed[0, -1]), dim=-1)
+        top = logp.topk(cfg.tree_topk)
+        to_target = (lambda i: int(d.d2t[i])) if d.d2t is not None else int
+        # candidates: (score, token, parent candidate index, depth, hidden row)
+        tokens = [to_target(i) for i in top.indices.tolist()]
+        scores = top.values.tolist()
+        parents = [-1] * len(tokens)
+        depths = [1] * len(tokens)
+        frontier = list(range(len(tokens)))
+        frontier_hidden = hidden.expand(1, len(frontier), -1)
+        rows = {}                                # candidate -> drafter cache row
+        for depth in range(1, cfg.tree_depth):
+            c = self.cache.get_seq_length()
+            for n, i in enumerate(frontier):
+                rows[i] = c + n
+            vis = torch.zeros(len(frontier), c + len(frontier), dtype=torch.bool, device=dev)
+            vis[:, :position] = True
+            for n, i in enumerate(frontier):
+                j = i
+                while j >= 0:
+                    if j in rows:
+                        vis[n, rows[j]] = True
+                    j = parents[j]
+            ids = torch.tensor([[tokens[i] for i in frontier]], device=dev)
+            pos = torch.full((1, len(frontier)), position + depth - 1, device=dev)
+            normed, hid = d.step(self.emb(ids), frontier_hidden, pos, self.cache,
+                                 attn_mask=vis[None, None])
+            logp = torch.log_softmax(d.head(self.target, normed[0]), dim=-1)   # (F, V)
+            cand = (torch.tensor([scores[i] for i in frontier], device=dev)[:, None]
+                    + logp).flatten()
+            best = cand.topk(min(cfg.tree_topk, cand.numel()))
+            new = []
+            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
+                f, tok = divmod(flat, logp.shape[1])
+                tokens.append(to_target(tok))
+                scores.append(s)
+                parents.append(frontier[f])
+                depths.append(depth + 1)
+                new.append(len(tokens) - 1)
+            frontier_hidden = hid[:, [divmod(flat, logp.shape[1])[0]
+                                      for flat in best.indices.tolist()]]
+            frontier = new
+        crop_to(self.cache, position)
+        # keep the best `tree_tokens` nodes; scores fall along a path, so ties aside the set is
+        # closed under ancestors (ties broken towards shallower nodes; checked below)
+        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
+        chosen = sorted(order[:cfg.tree_tokens])
+        keep = set(chosen)
+        for i in chosen:
+            if parents[i] >= 0 and parents[i] not in keep:
+                raise AssertionError("draft tree selection is not ancestor-closed")
+        remap = {old: new for new, old in enumerate(chosen)}
+        return DraftTree([tokens[i] for i in chosen],
+                         [remap[parents[i]] if parents[i] >= 0 else -1 for i in chosen],
+                         [depths[i] for i in chosen])
+
+    def commit(self, accepted: List[int], hidden_states) -> None:
+        """`hidden_states`: target hidden states whose rows 0 .. len(accepted) - 1 are the
+        committed positions P .. P + len(accepted) - 1 ([last] + accepted drafts)."""
+        feats = self.drafter.context_features(hidden_states)[:, :len(accepted)]
+        self.pending = torch.cat([self.pending, feats], dim=1)
+        self.tokens.append(self.last)
+        self.tokens.extend(accepted[:-1])

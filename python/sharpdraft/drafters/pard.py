@@ -1,0 +1,242 @@
+"""PARD drafter: a small causal LM of the target's family that drafts k tokens in one forward.
+
+The drafter is the target's first `num_layers` decoder layers (own, fine-tuned copies), the
+target's final norm shape and a learned mask ("pard") embedding; token embeddings and the LM
+head are the target's, borrowed by reference, so a checkpoint holds only the layers, the norm,
+the mask embedding and the draft vocabulary map.
+
+Inference (one forward per step): the rows are the committed tokens not yet in the drafter's
+KV cache, ending with the last committed token at position p, followed by k - 1 mask tokens at
+positions p + 1 .. p + k - 1. The row of the last token predicts position p + 1, mask row j
+predicts position p + j + 1, so one forward drafts k tokens. Attention is plain causal over
+the cache (row i of the forward sees n_i = cache length + i + 1 keys) and runs through
+`sharpdraft_ext.sharp_attention` (the "sharp" transformers attention: SharpConfig mode "none" is
+the frozen drafter, "fixed_slope" SharpDraft). The mask rows' KV entries are dropped after each
+step.
+
+Training (`parallel_draft_mask`): copy 0 of a sequence is the real tokens (next-token
+prediction); copy j >= 1 replaces every token with the mask, and its row at position p predicts
+the token at p + 1 while seeing the real tokens at positions <= p - j and the mask rows of
+copies 1 .. j - 1 at positions p - j + 1 .. p - 1, exactly the rows mask j sees at inference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding)
+
+from ..attention import SharpConfig, register
+from .base import Drafter, crop_to, draw_rows
+
+
+@dataclass
+class PARDConfig:
+    """Geometry of a PARD drafter (serialised as config.json).
+
+    hidden_size .. rope_parameters: the target's Llama geometry. num_layers: decoder layers
+    (started from the target's first layers). num_draft_tokens: k, drafts per forward (k - 1
+    mask tokens). train_context: the training context length (SharpDraft's default n_ref).
+    draft_vocab_size: size of the reduced draft vocabulary (None: the target's).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_layers: int = 4
+    num_draft_tokens: int = 8
+    train_context: int = 1024
+    draft_vocab_size: Optional[int] = None
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
+                                                           "rope_theta": 10000.0})
+
+    def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"PARDConfig.num_layers must be >= 1, got {self.num_layers}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"PARDConfig.num_draft_tokens must be >= 1, got "
+                             f"{self.num_draft_tokens}")
+        if self.train_context < 1:
+            raise ValueError(f"PARDConfig.train_context must be >= 1, got {self.train_context}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"PARDConfig.draft_vocab_size must be None or >= 2, got "
+                             f"{self.draft_vocab_size}")
+
+    @classmethod
+    def from_target(cls, target_config, **kwargs) -> "PARDConfig":
+        """The target's geometry (Llama-like config) with the given PARD options."""
+        t = target_config
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        base = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                    num_attention_heads=t.num_attention_heads,
+                    num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
+                    rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+                    max_position_embeddings=t.max_position_embeddings,
+                    rope_parameters=dict(t.rope_parameters))
+        return cls(**{**base, **kwargs})
+
+    def llama_config(self) -> LlamaConfig:
+        register()
+        cfg = LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                          num_attention_heads=self.num_attention_heads,
+                          num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                          num_hidden_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
+                          hidden_act=self.hidden_act,
+                          max_position_embeddings=self.max_position_embeddings,
+                          rope_parameters=dict(self.rope_parameters))
+        cfg._attn_implementation = "sharp"
+        return cfg
+
+
+def parallel_draft_mask(keep: torch.Tensor) -> torch.Tensor:
+    """Training attention mask of the multi-copy parallel-drafting objective.
+
+    Args:
+        keep: (C, T) bool; keep[j, p] says whether copy j's row at position p is in the batch
+            (copy 0 should keep every position; copy j's row at p needs copy j - 1's row at p - 1).
+
+    Returns:
+        (R, R) bool, True = visible, over the kept rows in copy-major order (R = keep.sum()): the
+        row (j, p) sees (0, q) for q <= p - j and (i, p - j + i) for 1 <= i <= j. Its cardinality
+        is therefore p + 1 (when its ancestors are kept), as at inference.
+    """
+    C, T = keep.shape
+    dev = keep.device
+    copy = torch.arange(C, device=dev)[:, None].expand(C, T)[keep]
+    pos = torch.arange(T, device=dev)[None, :].expand(C, T)[keep]
+    jq, pq = copy[:, None], pos[:, None]
+    jk, pk = copy[None, :], pos[None, :]
+    real = (jk == 0) & (pk <= pq - jq)
+    ancestor = (jk >= 1) & (jk <= jq) & (pk == pq - jq + jk)
+    return real | ancestor
+
+
+def conditional_keep(num_copies: int, T: int, rate: float, gen: torch.Generator) -> torch.Tensor:
+    """(C, T) bool rows kept by conditional token drop: copy 0 keeps all; copy j keeps row p with
+    probability `rate` if copy j - 1 kept row p - 1 (so every kept row's ancestors are kept and
+    copy j keeps about rate^j of its rows). Rows whose target lies past the sequence are dropped."""
+    keep = torch.zeros(num_copies, T, dtype=torch.bool)
+    keep[0] = True
+    for j in range(1, num_copies):
+        draw = torch.rand(T, generator=gen) < rate
+        keep[j, j:] = keep[j - 1, j - 1:-1] & draw[j:]
+    keep[:, T - 1] = False  # row p predicts token p + 1
+    return keep
+
+
+class PARDDrafter(Drafter):
+    """The PARD drafter (see the module docstring). Build with `PARDDrafter(config)`; start it
+    from a target with `init_from_target`. `sharp` selects the attention scaling (default: frozen,
+    n_ref = config.train_context)."""
+
+    config_class = PARDConfig
+    needs_hidden_states = False
+
+    def __init__(self, config: PARDConfig, sharp: Optional[SharpConfig] = None):
+        super().__init__()
+        self.config = config
+        llama = config.llama_config()
+        self.layers = nn.ModuleList(LlamaDecoderLayer(llama, i) for i in range(config.num_layers))
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        self.sharp = sharp or SharpConfig(mode="none", n_ref=config.train_context)
+        self._init_draft_vocab(config.draft_vocab_size)
+
+    def init_from_target(self, target) -> List[int]:
+        """Copy the target's first layers, final norm, and the mean token embedding as the mask
+        embedding; returns the copied layer indices."""
+        chosen = list(range(self.config.num_layers))
+        for mine, idx in zip(self.layers, chosen):
+            mine.load_state_dict(target.model.layers[idx].state_dict())
+        self.norm.load_state_dict(target.model.norm.state_dict())
+        with torch.no_grad():
+            self.mask_embedding.copy_(target.get_input_embeddings().weight.mean(0))
+        return chosen
+
+    def embed(self, target, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids (ignored where is_mask) -> (B, L, hidden) input embeddings."""
+        e = target.get_input_embeddings()(ids.clamp_min(0))
+        return torch.where(is_mask[..., None], self.mask_embedding.to(e.dtype), e)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None,
+                cache: Optional[DynamicCache] = None) -> torch.Tensor:
+        """Normed hidden states (B, L, hidden) of the rows `embeds` at `positions` (B, L).
+
+        attn_mask: None (bottom-right causal over [cache ; rows]) or bool (B or 1, 1, L, Lk),
+        True = visible.
+        """
+        rope = self.rotary_emb(embeds, positions)
+        x = embeds
+        for layer in self.layers:
+            x = layer(x, attention_mask=attn_mask, position_embeddings=rope, cache=cache,
+                      use_cache=cache is not None, sharp_config=self.sharp)
+        return self.norm(x)
+
+    def train_logits(self, target, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Training forward over the kept rows of the copies of one sequence.
+
+        Args:
+            ids: (T,) int64 token ids. keep: (C, T) bool (see `conditional_keep`).
+
+        Returns:
+            (R, V) float32 logits over the draft vocabulary, R = keep.sum(), copy-major; row
+            (j, p) predicts the token at position p + 1.
+        """
+        C, T = keep.shape
+        rows_ids = ids[None, :].expand(C, T)[keep]
+        is_mask = (torch.arange(C)[:, None].expand(C, T) > 0)[keep]
+        pos = torch.arange(T)[None, :].expand(C, T)[keep]
+        mask = parallel_draft_mask(keep)[None, None]
+        h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
+        return self.head(target, h[0])
+
+    # ----- inference sessions (see drafters.base) --------------------------------------------
+    @property
+    def max_drafts(self) -> int:
+        return self.config.num_draft_tokens
+
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states=None) -> "PARDSession":
+        return PARDSession(self, target, prompt_ids[0].tolist())
+
+
+class PARDSession:
+    """Chain drafting state: the committed tokens and the drafter's KV cache of them."""
+
+    def __init__(self, drafter: PARDDrafter, target, tokens: List[int]):
+        self.drafter, self.target = drafter, target
+        self.tokens = list(tokens)       # committed, without the pending `last`
+        self.cache = DynamicCache()
+        self.last = None
+
+    @torch.no_grad()
+    def propose(self, last: int, position: int, draw) -> tuple:
+        if position != len(self.tokens):
+            raise ValueError(f"PARD session: position {position} != committed length "
+                             f"{len(self.tokens)}")
+        k = self.drafter.config.num_draft_tokens
+        cached = self.cache.get_seq_length()
+        dev = self.target.get_input_embeddings().weight.device
+        real = self.tokens[cached:] + [last]
+        ids = torch.tensor([real + [-1] * (k - 1)], device=dev)
+        is_mask = torch.arange(ids.shape[1], device=dev)[None] >= len(real)
+        pos = torch.arange(cached, cached + ids.shape[1], device=dev)[None]
+        h = self.drafter(self.drafter.embed(self.target, ids, is_mask), pos, cache=self.cache)
+        crop_to(self.cache, position + 1)      # drop the mask rows' keys/values
+        self.last = last
+        logits = self.drafter.head(self.target, h[0, len(real) - 1:])
+        return draw_rows(self.drafter.to_target_vocab(self.target, logits), draw)
+
+    def commit(self, accepted: List[int], hidden_states=None) -> None:
+        self.tokens.append(self.last)
+        self.tokens.extend(accepted[:-1])

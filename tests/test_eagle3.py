@@ -1,0 +1,217 @@
+"""EAGLE-3 drafter: chain and tree decoding stay lossless, tree rows get the cardinality the spec
+gives, the training-time-test forward matches inference, and nothing depends on the training
+length."""
+import pytest
+import torch
+
+import sharpdraft_ext as ext
+from sharpdraft.attention import SharpConfig
+from sharpdraft.drafters import eagle3 as e3
+from sharpdraft.drafters.eagle3 import DraftTree, Eagle3Drafter
+from sharpdraft.engine import (autoregressive_generate, speculative_generate,
+                               tree_speculative_generate, verify_tree)
+from sharpdraft_helpers import tiny_eagle3, tiny_target
+from test_engine import chi_square, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def prompt_of(n, seed):
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("sharp", ["none", "fixed_slope"])
+def test_decoding_is_token_identical_to_target_greedy(target, tree, sharp):
+    drafter = tiny_eagle3(target, tree_topk=3, tree_depth=3, tree_tokens=8, chain_length=4)
+    drafter.sharp = SharpConfig(mode=sharp, slope=0.3, n_ref=8)
+    run = tree_speculative_generate if tree else speculative_generate
+    for seed in range(2):
+        prompt = prompt_of(6 + 9 * seed, seed)
+        ref = hf_greedy(target, prompt, 20)
+        res = run(target, drafter, prompt, 20)
+        assert res.tokens == ref, (seed, res.tokens, ref)
+        assert res.target_forwards == 1 + len(res.accept_lengths)
+        if tree:
+            assert all(n == 8 for n in res.draft_lengths)
+
+
+class ScriptedTreeDrafter(Eagle3Drafter):
+    """Proposes trees holding the known greedy continuation on one branch among wrong siblings
+    (exercises acceptance deep in a tree and the target cache keeping only the accepted path)."""
+
+    def __init__(self, base, prompt_len, continuation, wrong_from):
+        super().__init__(base.config)
+        self.prompt_len, self.cont, self.wrong_from = prompt_len, continuation, wrong_from
+
+    def start(self, target, prompt_ids, hidden_states):
+        outer = self
+
+        class Session:
+            def propose_tree(self, last, position):
+                i = position + 1 - outer.prompt_len          # index of the next token in cont
+                tokens, parents, depths = [], [], []
+                parent = -1
+                for d in range(1, outer.config.tree_depth + 1):
+                    true = outer.cont[i + d - 1] if i + d - 1 < len(outer.cont) else 0
+                    if d >= outer.wrong_from:
+                        true = (true + 1) % 256
+                    for tok in ((true + 7) % 256, true):      # a wrong sibling first
+                        tokens.append(tok)
+                        parents.append(parent)
+                        depths.append(d)
+                    parent = len(tokens) - 1
+                return DraftTree(tokens, parents, depths)
+
+            def commit(self, accepted, hidden_states):
+                assert hidden_states[0].shape[1] == len(accepted)   # only the path's rows
+
+        return Session()
+
+
+@pytest.mark.parametrize("wrong_from", [2, 4, 99])
+def test_tree_verification_commits_the_accepted_path(target, wrong_from):
+    prompt = prompt_of(9, 4)
+    ref = hf_greedy(target, prompt, 30)
+    base = tiny_eagle3(target, tree_depth=4)
+    drafter = ScriptedTreeDrafter(base, 9, ref, wrong_from).eval()
+    res = tree_speculative_generate(target, drafter, prompt, 30)
+    assert res.tokens == ref
+    depth_ok = min(wrong_from - 1, 4)                 # drafts accepted per full step
+    assert all(a == depth_ok + 1 for a in res.accept_lengths[:-1]), res.accept_lengths
+
+
+def test_tree_rows_see_the_prefix_and_their_ancestors(target, monkeypatch):
+    """n_i of every drafter row (counted by ext.visible_counts from the mask the drafter builds)
+    is position + 1: the committed rows before it plus its ancestors and itself."""
+    drafter = tiny_eagle3(target, tree_topk=3, tree_depth=4, tree_tokens=12)
+    seen = []
+    real_step, real_attn = drafter.step, ext.sharp_attention
+
+    def step(embeds, hidden, positions, cache, attn_mask=None):
+        seen.append({"positions": positions.clone()})
+        return real_step(embeds, hidden, positions, cache, attn_mask)
+
+    def attn(q, k, v, **kw):
+        seen[-1]["n"] = ext.visible_counts(q, k, causal=kw.get("causal", False),
+                                           attn_mask=kw.get("attn_mask"))
+        return real_attn(q, k, v, **kw)
+
+    monkeypatch.setattr(drafter, "step", step)
+    monkeypatch.setattr(e3.ext, "sharp_attention", attn)
+    prompt = prompt_of(11, 5)
+    tree_speculative_generate(target, drafter, prompt, 12)
+    assert len(seen) > 3
+    for s in seen:
+        n = s["n"][0, 0]                              # (Lq,), every head alike
+        assert torch.equal(n, s["positions"][0] + 1), (n, s["positions"])
+
+
+def test_draft_tree_is_ancestor_closed_and_sized(target):
+    drafter = tiny_eagle3(target, tree_topk=3, tree_depth=4, tree_tokens=10)
+    prompt = prompt_of(12, 6)
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+    session = drafter.start(target, prompt, out.hidden_states)
+    tree = session.propose_tree(int(out.logits[0, -1].argmax()), prompt.shape[1])
+    assert len(tree) == 10
+    for i, p in enumerate(tree.parents):
+        assert p < i and (p == -1 or tree.depths[i] == tree.depths[p] + 1)
+        assert tree.depths[i] == 1 or p >= 0
+    mask = tree.mask()
+    assert torch.equal(mask.sum(-1), torch.tensor(tree.depths))
+
+
+def test_ttt_forward_matches_chain_inference(target):
+    """Depth d of the training-time-test forward at row t equals the d-th chain draft after the
+    committed prefix t + 1 when the drafts are the true tokens."""
+    drafter = tiny_eagle3(target)
+    ids = prompt_of(14, 7)[0]
+    with torch.no_grad():
+        feats = drafter.context_features(target(ids[None], output_hidden_states=True)
+                                         .hidden_states)[0]
+        ttt = drafter.ttt_logits(target, feats, ids, 3)
+    emb = target.get_input_embeddings()
+    for t in (0, 5, 9):
+        with torch.no_grad():
+            cache = e3.DynamicCache()
+            pos = torch.arange(t + 1)[None]
+            normed, hidden = drafter.step(emb(ids[None, 1:t + 2]), drafter.fuse(feats[None, :t + 1]),
+                                          pos, cache)
+            normed, hidden = normed[:, -1:], hidden[:, -1:]
+            for d in range(3):
+                got = drafter.head(target, normed[0, 0])
+                torch.testing.assert_close(got, ttt[d][t], rtol=1e-4, atol=1e-4)
+                normed, hidden = drafter.step(emb(ids[None, t + 2 + d:t + 3 + d]), hidden,
+                                              torch.tensor([[t + 1 + d]]), cache)
+
+
+def test_runs_past_its_training_length(target):
+    """No position table: a drafter trained at 16 tokens drafts at 300+ tokens (longer than its
+    training context and than its config's max_position_embeddings), still lossless, and its
+    attention depends on relative positions only."""
+    drafter = tiny_eagle3(target, train_context=16, max_position_embeddings=32)
+    drafter.sharp = SharpConfig(mode="fixed_slope", slope=0.3, n_ref=16)
+    prompt = prompt_of(300, 8)
+    ref = autoregressive_generate(target, prompt, 10).tokens
+    assert speculative_generate(target, drafter, prompt, 10).tokens == ref
+    assert tree_speculative_generate(target, drafter, prompt, 10).tokens == ref
+    x = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        near = drafter.step(x, h, torch.arange(6)[None], None)[0]
+        far = drafter.step(x, h, torch.arange(5000, 5006)[None], None)[0]
+    assert torch.isfinite(far).all()
+    torch.testing.assert_close(far, near, rtol=1e-3, atol=1e-3)
+
+
+def test_verify_tree_sampling_follows_the_target():
+    """Recursive rejection over siblings: the first committed token follows p(root) whatever the
+    children are, and the token after an accepted child x follows p(. | x)."""
+    V, N = 5, 4000
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(2 * torch.randn(V + 1, V, generator=g), -1)   # row 0: root, row 1 + x
+    a, b, c = P[0].argsort(descending=True)[:3].tolist()     # root's children, likeliest first
+    tree = DraftTree([a, b, c, 0], [-1, -1, -1, 0], [1, 1, 1, 2])     # node 3: child of node 0
+    logits = torch.log(P[[0, 1 + a, 1 + b, 1 + c, 1]])              # rows: root, nodes 0..3
+    first, after_1 = torch.zeros(V), torch.zeros(V)
+    for _ in range(N):
+        path, out = verify_tree(logits, tree, 1.0, g)
+        first[out[0]] += 1
+        if path and path[0] == 0:
+            after_1[out[1]] += 1
+        assert out[:len(path)] == [tree.tokens[i] for i in path]
+    assert chi_square(first, P[0]) < 20.5                 # df 4: P(chi2 > 20.5) ~ 4e-4
+    assert after_1.sum() > 300
+    assert chi_square(after_1, P[1 + a]) < 20.5
+
+
+def test_tree_sampling_end_to_end_matches_target():
+    small = tiny_target(seed=5, vocab=8)
+    drafter = tiny_eagle3(small, tree_topk=2, tree_depth=2, tree_tokens=4)
+    prompt = torch.tensor([[1, 5, 2, 7]])
+    with torch.no_grad():
+        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
+        seqs = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
+        p2 = p1 @ torch.softmax(small(seqs).logits[:, -1], -1)
+    g = torch.Generator().manual_seed(2)
+    c2 = torch.zeros(8)
+    for _ in range(500):
+        c2[tree_speculative_generate(small, drafter, prompt, 2, temperature=1.0,
+                                     generator=g).tokens[1]] += 1
+    assert chi_square(c2, p2) < 26.0, (c2 / 500, p2)    # df 7: P(chi2 > 26) ~ 5e-4
+
+
+def test_save_load_round_trip(target, tmp_path):
+    drafter = tiny_eagle3(target, draft_vocab_size=32)
+    drafter.set_draft_vocab(torch.arange(0, 256, 8))
+    with torch.no_grad():
+        drafter.feature_scale.uniform_(0.5, 2.0)
+    drafter.save(tmp_path)
+    back = Eagle3Drafter.load(tmp_path)
+    assert back.config == drafter.config
+    for (k, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k

@@ -1,0 +1,122 @@
+"""PARD drafter: the multi-copy training mask against a brute-force construction, conditional
+token drop, training forward = inference forward, lossless decoding."""
+import itertools
+
+import pytest
+import torch
+
+from sharpdraft.attention import SharpConfig
+from sharpdraft.drafters.pard import PARDDrafter, conditional_keep, parallel_draft_mask
+from sharpdraft.engine import autoregressive_generate, speculative_generate
+from sharpdraft_helpers import tiny_pard, tiny_target
+from test_engine import chi_square, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def brute_force_mask(keep):
+    """Row (j, p) is mask j of an inference step whose last real token sits at s = p - j: it sees
+    real tokens 0 .. s and the masks 1 .. j at positions s + 1 .. s + j, which training holds as
+    copy i at position s + i."""
+    C, T = keep.shape
+    rows = [(j, p) for j in range(C) for p in range(T) if keep[j, p]]
+    m = torch.zeros(len(rows), len(rows), dtype=torch.bool)
+    for a, (j, p) in enumerate(rows):
+        s = p - j
+        sees = {(0, q) for q in range(s + 1)} | {(i, s + i) for i in range(1, j + 1)}
+        for b, key in enumerate(rows):
+            m[a, b] = key in sees
+    return m
+
+
+@pytest.mark.parametrize("C, T", [(1, 5), (2, 4), (3, 6), (4, 7)])
+def test_training_mask_matches_brute_force(C, T):
+    g = torch.Generator().manual_seed(C * 10 + T)
+    for rate in (1.0, 0.6):
+        keep = conditional_keep(C, T + 1, rate, g)[:, :T] if rate < 1 else torch.ones(C, T,
+                                                                                      dtype=bool)
+        if rate == 1.0:
+            for j in range(C):
+                keep[j, :j] = False          # copy j starts at position j (needs p - j >= 0)
+        m = parallel_draft_mask(keep)
+        assert torch.equal(m, brute_force_mask(keep))
+        # cardinality of each row: p + 1 (its real prefix, then j masks)
+        pos = torch.arange(T)[None].expand(C, T)[keep]
+        assert torch.equal(m.sum(-1), pos + 1)
+
+
+def test_conditional_keep_keeps_ancestors():
+    g = torch.Generator().manual_seed(0)
+    keep = conditional_keep(6, 400, 0.7, g)
+    assert keep[0, :-1].all() and not keep[:, -1].any()
+    for j, p in itertools.product(range(1, 6), range(400)):
+        if keep[j, p]:
+            assert keep[j - 1, p - 1]
+    frac = keep[:, :-1].float().mean(1)
+    for j in range(1, 4):                   # about rate ** j (binomial, 400 draws)
+        assert abs(float(frac[j]) - 0.7 ** j) < 0.1, frac
+
+
+def test_training_forward_equals_inference(target):
+    """Copy j's row at p (training) gives the logits of draft j + 1 of the inference step whose
+    last real token is at p - j."""
+    drafter = tiny_pard(target, num_draft_tokens=4)
+    ids = torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(4, 16, dtype=torch.bool)
+    for j in range(4):
+        keep[j, :j] = False
+    with torch.no_grad():
+        train = drafter.train_logits(target, ids, keep)
+    index = {rc: i for i, rc in enumerate((j, p) for j in range(4) for p in range(16)
+                                          if keep[j, p])}
+    for s in (0, 6, 11):
+        session = drafter.start(target, ids[None, :s])
+        _, logits = session.propose(int(ids[s]), s, lambda row: int(row.argmax()))
+        for j in range(4):
+            torch.testing.assert_close(logits[j], train[index[(j, s + j)]], rtol=1e-4,
+                                       atol=1e-4)
+
+
+@pytest.mark.parametrize("sharp", ["none", "fixed_slope"])
+def test_greedy_is_token_identical_to_target_greedy(target, sharp):
+    drafter = tiny_pard(target, num_draft_tokens=5)
+    drafter.sharp = SharpConfig(mode=sharp, slope=0.3, n_ref=8)
+    for seed in range(2):
+        prompt = torch.randint(3, 256, (1, 5 + 30 * seed),
+                               generator=torch.Generator().manual_seed(seed))
+        ref = hf_greedy(target, prompt, 24)
+        res = speculative_generate(target, drafter, prompt, 24)
+        assert res.tokens == ref
+        assert all(n == 5 for n in res.draft_lengths)
+    assert autoregressive_generate(target, prompt, 24).tokens == ref
+
+
+def test_sampling_matches_target_distribution():
+    small = tiny_target(seed=5, vocab=8)
+    drafter = tiny_pard(small, num_draft_tokens=2)
+    prompt = torch.tensor([[1, 5, 2, 7]])
+    with torch.no_grad():
+        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
+        seqs = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
+        p2 = p1 @ torch.softmax(small(seqs).logits[:, -1], -1)
+    g = torch.Generator().manual_seed(3)
+    c2 = torch.zeros(8)
+    for _ in range(500):
+        c2[speculative_generate(small, drafter, prompt, 2, temperature=1.0,
+                                generator=g).tokens[1]] += 1
+    assert chi_square(c2, p2) < 26.0, (c2 / 500, p2)    # df 7: P(chi2 > 26) ~ 5e-4
+
+
+def test_save_load_round_trip(target, tmp_path):
+    drafter = tiny_pard(target, draft_vocab_size=64)
+    drafter.set_draft_vocab(torch.arange(0, 256, 4))
+    drafter.save(tmp_path)
+    back = PARDDrafter.load(tmp_path)
+    assert back.config == drafter.config
+    for (k, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    assert speculative_generate(target, back, prompt, 12).tokens == hf_greedy(target, prompt, 12)
