@@ -142,3 +142,67 @@ def test_training_lowers_loss_and_checkpoint_drafts(setup):
     ar = autoregressive_generate(target, prompt, 12)
     spec = speculative_generate(target, loaded, prompt, 12)
     assert spec.tokens == ar.tokens                           # lossless with the trained drafter
+
+
+def test_pard_recipe_lowers_loss_and_checkpoint_drafts(setup):
+    from sharpdraft import train_common, train_pard
+    from sharpdraft.drafters.pard import PARDConfig, PARDDrafter
+    target, seqs, _, (train_c, held_c), root = setup
+    cfg = PARDConfig.from_target(target.config, num_layers=2, num_draft_tokens=3,
+                                 train_context=48, draft_vocab_size=64)
+    drafter = PARDDrafter(cfg)
+    tr = train_c.load()
+    drafter.set_draft_vocab(td.draft_vocabulary(tr, 64, 256))
+    drafter.init_from_target(target)
+    out = root / "pard"
+    out.mkdir()
+    res = train_common.fit(drafter, target, train_pard.make_loss(drafter, target, tr, 48, 0.7),
+                           lambda: train_pard.evaluate(drafter, target, held_c.load(), window=48),
+                           steps=40, lr=3e-3, warmup=4, eval_every=20, out=out,
+                           save_dtype=torch.float32, max_seconds=None)
+    losses = [h["loss"] for h in res["history"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    assert len(res["best"]["top1_per_position"]) == 3
+    assert 1.0 <= res["best"]["tau_proxy"] <= 4.0
+    loaded = PARDDrafter.load(out)
+    assert loaded.config.train_context == 48 and loaded.sharp.n_ref == 48
+    prompt = torch.tensor([seqs[0][:20]])
+    assert (speculative_generate(target, loaded, prompt, 12).tokens
+            == autoregressive_generate(target, prompt, 12).tokens)
+
+
+def test_copy_losses_by_hand():
+    from sharpdraft.train_pard import copy_losses
+    ce = torch.tensor([1.0, 3.0, 2.0, 4.0, 6.0])
+    got = copy_losses(ce, torch.tensor([0, 0, 1, 2, 2]), 4)
+    assert got[:3].tolist() == [2.0, 2.0, 5.0] and torch.isnan(got[3])
+
+
+def test_eagle3_recipe_lowers_loss_and_checkpoint_drafts(setup):
+    from sharpdraft import train_common, train_eagle3
+    from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    target, seqs, layer_ids, (train_c, held_c), root = setup
+    cfg = Eagle3Config.from_target(target.config, target_layer_ids=[layer_ids[1]],
+                                   train_context=64, chain_length=3, draft_vocab_size=64)
+    drafter = Eagle3Drafter(cfg)
+    tr = train_c.load()
+    drafter.set_draft_vocab(td.draft_vocabulary(tr, 64, 256))
+    cols = train_eagle3.fused_columns(layer_ids, [layer_ids[1]], 64)
+    torch.testing.assert_close(tr["feats"][..., cols], tr["feats"][..., 64:128])
+    with torch.no_grad():
+        drafter.feature_scale.copy_(td.feature_scale(tr["feats"][..., cols]))
+    out = root / "eagle3"
+    out.mkdir()
+    res = train_common.fit(
+        drafter, target, train_eagle3.make_loss(drafter, target, tr, cols, 64, 2, 0.8),
+        lambda: train_eagle3.evaluate(drafter, target, held_c.load(), cols, window=64),
+        steps=40, lr=3e-3, warmup=4, eval_every=20, out=out, save_dtype=torch.float32,
+        max_seconds=None)
+    losses = [h["loss"] for h in res["history"]]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    assert len(res["best"]["top1_per_position"]) == 3
+    loaded = Eagle3Drafter.load(out)
+    torch.testing.assert_close(loaded.feature_scale, drafter.feature_scale)
+    prompt = torch.tensor([seqs[0][:20]])
+    ref = autoregressive_generate(target, prompt, 12).tokens
+    assert speculative_generate(target, loaded, prompt, 12).tokens == ref

@@ -81,6 +81,24 @@ def evaluate(drafter: Eagle3Drafter, target, cache: Dict[str, torch.Tensor], col
             "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
 
 
+def make_loss(drafter: Eagle3Drafter, target, cache: Dict[str, torch.Tensor],
+              cols: torch.Tensor, window: int, ttt_steps: int, depth_decay: float):
+    """loss_fn(gen) for `train_common.fit`: training-time test over a random window of a random
+    cached sequence, per-depth mean soft cross-entropy weighted by depth_decay ** d."""
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    n_seq, T = cache["ids"].shape
+    w = torch.tensor([depth_decay ** d for d in range(ttt_steps)])
+
+    def loss_fn(gen):
+        s = int(torch.randint(n_seq, (), generator=gen))
+        off = int(torch.randint(T - window + 1, (), generator=gen))
+        ce, _ = depth_losses(drafter, target, cache, s, off, window, ttt_steps, cols, t2d)
+        per_depth = torch.stack([c.mean() for c in ce])
+        return (per_depth * w).sum() / w.sum(), {
+            "per_depth": [round(float(x), 3) for x in per_depth.detach()]}
+    return loss_fn
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, lr=2e-3, window=512)
     p.add_argument("--ttt-steps", type=int, default=3,
@@ -109,19 +127,8 @@ def main(args: argparse.Namespace) -> dict:
     cols = fused_columns(cached, chosen, target.config.hidden_size)
     with torch.no_grad():
         drafter.feature_scale.copy_(feature_scale(tr["feats"][..., cols]))
-    t2d = target_to_draft(drafter.d2t, vocab)
-    n_seq, T = tr["ids"].shape
-    W, K = args.window, args.ttt_steps
-    w = torch.tensor([args.depth_decay ** d for d in range(K)])
-
-    def loss_fn(gen):
-        s = int(torch.randint(n_seq, (), generator=gen))
-        off = int(torch.randint(T - W + 1, (), generator=gen))
-        ce, _ = depth_losses(drafter, target, tr, s, off, W, K, cols, t2d)
-        per_depth = torch.stack([c.mean() for c in ce])
-        return (per_depth * w).sum() / w.sum(), {
-            "per_depth": [round(float(x), 3) for x in per_depth.detach()]}
-
+    loss_fn = make_loss(drafter, target, tr, cols, args.window, args.ttt_steps,
+                        args.depth_decay)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(args, provenance, drafter, None, train_c)

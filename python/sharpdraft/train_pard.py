@@ -84,6 +84,27 @@ def evaluate(drafter: PARDDrafter, target, cache: Dict[str, torch.Tensor], windo
             "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
 
 
+def make_loss(drafter: PARDDrafter, target, cache: Dict[str, torch.Tensor], window: int,
+              keep_rate: float):
+    """loss_fn(gen) for `train_common.fit`: a random window of a random cached sequence, all
+    copies with conditional drop, per-copy mean soft cross-entropy, copies weighted equally."""
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    k, W = drafter.config.num_draft_tokens, window
+    n_seq, T = cache["ids"].shape
+
+    def loss_fn(gen):
+        s = int(torch.randint(n_seq, (), generator=gen))
+        off = int(torch.randint(T - W + 1, (), generator=gen))
+        ids, top_p, top_d, _ = _rows(cache, s, off, W, t2d)
+        keep = conditional_keep(k, W, keep_rate, gen)
+        pos = torch.arange(W)[None].expand(k, W)[keep]
+        copy = torch.arange(k)[:, None].expand(k, W)[keep]
+        logits = drafter.train_logits(target, ids, keep)
+        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
+        return per_copy[~per_copy.isnan()].mean(), {"rows": int(keep.sum())}
+    return loss_fn
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, lr=5e-4, window=512)
     p.add_argument("--layers", type=int, default=4, help="drafter layers (the target's first)")
@@ -108,21 +129,7 @@ def main(args: argparse.Namespace) -> dict:
     if cfg.draft_vocab_size is not None:
         drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
     init_layers = drafter.init_from_target(target)
-    t2d = target_to_draft(drafter.d2t, vocab)
-    k, W = cfg.num_draft_tokens, args.window
-    n_seq, T = tr["ids"].shape
-
-    def loss_fn(gen):
-        s = int(torch.randint(n_seq, (), generator=gen))
-        off = int(torch.randint(T - W + 1, (), generator=gen))
-        ids, top_p, top_d, _ = _rows(tr, s, off, W, t2d)
-        keep = conditional_keep(k, W, args.keep_rate, gen)
-        pos = torch.arange(W)[None].expand(k, W)[keep]
-        copy = torch.arange(k)[:, None].expand(k, W)[keep]
-        logits = drafter.train_logits(target, ids, keep)
-        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
-        return per_copy[~per_copy.isnan()].mean(), {"rows": int(keep.sum())}
-
+    loss_fn = make_loss(drafter, target, tr, args.window, args.keep_rate)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(args, provenance, drafter, init_layers, train_c)
