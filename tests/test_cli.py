@@ -92,3 +92,32 @@ def test_bench_table_summarises_each_kind():
     assert ("kjv (2 prompts): dflash-frozen: mean tau 1.400, geomean speedup 1.000x; "
             "dflash-sharp: mean tau 1.600, geomean speedup 1.000x.") in md
     assert "maths (1 prompts): dflash-frozen: mean tau 2.000" in md
+
+
+def test_run_bench_writes_rows_for_every_variant(tmp_path):
+    """bench over drafter variants (EAGLE-3 chain and tree here): one table row per prompt and
+    variant, frozen and SharpDraft both lossless, JSON and plot written."""
+    import torch
+
+    from sharpdraft.bench import run_bench
+    from sharpdraft_helpers import tiny_eagle3
+
+    target = tiny_target()
+    drafter = tiny_eagle3(target, tree_topk=2, tree_depth=2, tree_tokens=4, chain_length=3)
+
+    class Tok:
+        eos_token_id = None
+    prompts = [{"name": f"p{i}", "kind": "kjv", "ids": torch.randint(3, 256, (1, 20 + 30 * i))}
+               for i in range(2)]
+    rows = run_bench(target, Tok(), {"eagle3-chain": (drafter, False),
+                                     "eagle3-tree": (drafter, True)}, prompts, 6, 0.2, tmp_path)
+    assert len(rows) == 2
+    for r in rows:
+        for key in ("eagle3-chain-frozen", "eagle3-chain-sharp", "eagle3-tree-frozen",
+                    "eagle3-tree-sharp"):
+            assert r[key]["identical_to_ar"] is True and r[key]["new_tokens"] == 6
+    md = (tmp_path / "bench.md").read_text()
+    assert md.count("| eagle3-tree |") == 2 and md.count("| eagle3-chain |") == 2
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
+    assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000

@@ -1,9 +1,11 @@
 """Speculative decoding (batch size 1) with any drafter, and the target-only baseline.
 
-One step: the drafter proposes up to `max_drafts` tokens after the last committed token; the
-target runs once over [last token ; drafts] on top of its KV cache; the longest accepted prefix
-plus one token from the target (the correction at the first rejection, or the bonus token after a fully
-accepted block) is committed, and the target cache is cropped back past the first rejection.
+One chain step: the drafter proposes up to `max_drafts` tokens after the last committed token;
+the target runs once over [last token ; drafts] on top of its KV cache; the longest accepted
+prefix plus one token from the target (the correction at the first rejection, or the bonus token
+after a fully accepted block) is committed, and the target cache is cropped back past the first
+rejection. Tree steps (`tree_speculative_generate`, EAGLE-3) verify a whole draft tree in one
+forward with a tree mask and commit its longest accepted path.
 
 - temperature 0: a draft is accepted iff it equals the target's argmax, so the output is
   token-identical to target-only greedy decoding.
@@ -12,14 +14,14 @@ accepted block) is committed, and the target cache is cropped back past the firs
   residual norm(max(0, p_j - q_j)). The committed tokens are distributed exactly as the target's
   own samples (p = softmax(logits / temperature)).
 
-Draft length: by default the whole block (b - 1 drafts) is verified. With draft_threshold > 0 the
+Draft length: by default every proposed draft is verified. With draft_threshold > 0 the
 drafts are cut before the first one whose drafter probability (of the drafted token, at
 temperature 1) falls below the threshold, keeping at least one. The cut depends only on the
 drafter, so both modes stay lossless, and verifying fewer tokens makes a verification forward
 cheaper where its cost grows with its length (CPUs).
 
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
-forward, the target's token included, so 1 <= tau <= b. The prefill forward (which commits the
+forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The prefill forward (which commits the
 first token) is counted in `target_forwards` but not in tau.
 """
 from __future__ import annotations
@@ -31,7 +33,6 @@ from typing import Dict, List, Optional
 
 import torch
 from transformers import DynamicCache
-
 
 
 @dataclass

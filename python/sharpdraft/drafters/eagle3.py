@@ -355,7 +355,7 @@ class Eagle3Session:
         logp = torch.log_softmax(d.head(self.target, normed[0, -1]), dim=-1)
         top = logp.topk(cfg.tree_topk)
         to_target = (lambda i: int(d.d2t[i])) if d.d2t is not None else int
-        # candidates: (score, token, parent candidate index, depth, hidden row)
+        # candidate nodes: target token, path log-probability, parent, depth
         tokens = [to_target(i) for i in top.indices.tolist()]
         scores = top.values.tolist()
         parents = [-1] * len(tokens)
@@ -383,16 +383,16 @@ class Eagle3Session:
             cand = (torch.tensor([scores[i] for i in frontier], device=dev)[:, None]
                     + logp).flatten()
             best = cand.topk(min(cfg.tree_topk, cand.numel()))
-            new = []
-            for s, flat in zip(best.values.tolist(), best.indices.tolist()):
+            new, from_row = [], []
+            for score, flat in zip(best.values.tolist(), best.indices.tolist()):
                 f, tok = divmod(flat, logp.shape[1])
                 tokens.append(to_target(tok))
-                scores.append(s)
+                scores.append(score)
                 parents.append(frontier[f])
                 depths.append(depth + 1)
                 new.append(len(tokens) - 1)
-            frontier_hidden = hid[:, [divmod(flat, logp.shape[1])[0]
-                                      for flat in best.indices.tolist()]]
+                from_row.append(f)
+            frontier_hidden = hid[:, from_row]       # a child's hidden input: its parent's output
             frontier = new
         crop_to(self.cache, position)
         # keep the best `tree_tokens` nodes; scores fall along a path, so ties aside the set is
