@@ -1,4 +1,14 @@
-"""Drafters: small models that propose blocks of tokens for the target to verify."""
-from .dflash import DFlashConfig, DFlashDrafter
+"""Drafters: small models that propose tokens for the target to verify (DFlash, EAGLE-3, PARD).
 
-__all__ = ["DFlashConfig", "DFlashDrafter"]
+Every drafter borrows the target's embeddings and LM head, drafts over a reduced vocabulary, runs
+its attention through `sharpdraft_ext.sharp_attention` (its `sharp` SharpConfig: mode "none" is the
+frozen drafter, "fixed_slope" SharpDraft), and plugs into `sharpdraft.engine` through the session
+protocol of `drafters.base`.
+"""
+from .base import Drafter
+from .dflash import DFlashConfig, DFlashDrafter
+from .eagle3 import DraftTree, Eagle3Config, Eagle3Drafter
+from .pard import PARDConfig, PARDDrafter
+
+__all__ = ["Drafter", "DFlashConfig", "DFlashDrafter", "DraftTree", "Eagle3Config",
+           "Eagle3Drafter", "PARDConfig", "PARDDrafter"]
