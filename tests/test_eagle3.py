@@ -110,6 +110,12 @@ def test_tree_rows_see_the_prefix_and_their_ancestors(target, monkeypatch):
         assert torch.equal(n, s["positions"][0] + 1), (n, s["positions"])
 
 
+def test_tree_decoding_needs_a_tree_drafter(target):
+    from sharpdraft_helpers import tiny_drafter
+    with pytest.raises(ValueError, match="drafter"):
+        tree_speculative_generate(target, tiny_drafter(target), prompt_of(5, 0), 4)
+
+
 def test_draft_tree_is_ancestor_closed_and_sized(target):
     drafter = tiny_eagle3(target, tree_topk=3, tree_depth=4, tree_tokens=10)
     prompt = prompt_of(12, 6)

@@ -324,8 +324,14 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
 
     Args: as `speculative_generate` (no draft_threshold). Returns: GenerationResult
     (draft_lengths holds the tree sizes).
+
+    Raises:
+        ValueError: as `speculative_generate`, or a drafter that does not draft trees.
     """
     _check(prompt_ids, max_new_tokens, temperature)
+    if not getattr(drafter, "drafts_trees", False):
+        raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
+                         f"does); use speculative_generate")
     tick = _Progress(progress)
     dev = prompt_ids.device
     start = time.perf_counter()

@@ -45,6 +45,7 @@ class Drafter(nn.Module):
 
     config_class = None
     needs_hidden_states = True
+    drafts_trees = False          # sessions also have propose_tree (tree_speculative_generate)
 
     def _init_draft_vocab(self, draft_vocab_size: Optional[int]) -> None:
         if draft_vocab_size is not None:  # draft id -> target id (set by training)

@@ -150,6 +150,7 @@ class Eagle3Drafter(Drafter):
     (default: frozen, n_ref = config.train_context)."""
 
     config_class = Eagle3Config
+    drafts_trees = True
 
     def __init__(self, config: Eagle3Config, sharp: Optional[SharpConfig] = None):
         super().__init__()
@@ -395,14 +396,11 @@ class Eagle3Session:
             frontier_hidden = hid[:, from_row]       # a child's hidden input: its parent's output
             frontier = new
         crop_to(self.cache, position)
-        # keep the best `tree_tokens` nodes; scores fall along a path, so ties aside the set is
-        # closed under ancestors (ties broken towards shallower nodes; checked below)
+        # keep the best `tree_tokens` nodes: a child's score is its parent's plus a log-prob
+        # <= 0 and ties go to the shallower, earlier node, so a parent always ranks before its
+        # children and the chosen set is closed under ancestors
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))
         chosen = sorted(order[:cfg.tree_tokens])
-        keep = set(chosen)
-        for i in chosen:
-            if parents[i] >= 0 and parents[i] not in keep:
-                raise AssertionError("draft tree selection is not ancestor-closed")
         remap = {old: new for new, old in enumerate(chosen)}
         return DraftTree([tokens[i] for i in chosen],
                          [remap[parents[i]] if parents[i] >= 0 else -1 for i in chosen],
