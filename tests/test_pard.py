@@ -120,3 +120,32 @@ def test_save_load_round_trip(target, tmp_path):
         assert torch.equal(a, b), k
     prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     assert speculative_generate(target, back, prompt, 12).tokens == hf_greedy(target, prompt, 12)
+
+
+def test_rows_see_the_committed_prefix_and_earlier_rows(target, monkeypatch):
+    """Each forward's row i (committed tokens not yet cached, `last`, then the masks) sees
+    n_i = position + 1 keys: the mask rows of earlier steps were dropped from the cache."""
+    import sharpdraft.attention as attention
+    import sharpdraft_ext as ext
+    k = 4
+    drafter = tiny_pard(target, num_draft_tokens=k)
+    calls, real = [], ext.sharp_attention
+
+    def attn(q, kk, v, **kw):
+        calls.append(ext.visible_counts(q, kk, causal=kw.get("causal", False),
+                                        attn_mask=kw.get("attn_mask"))[0, 0])
+        return real(q, kk, v, **kw)
+
+    monkeypatch.setattr(attention.ext, "sharp_attention", attn)
+    prompt = torch.randint(3, 256, (1, 13), generator=torch.Generator().manual_seed(4))
+    session = drafter.start(target, prompt)
+    position = 13
+    for step in range(3):
+        calls.clear()
+        drafts, _ = session.propose(7 + step, position, lambda row: int(row.argmax()))
+        assert len(calls) == 2                                  # one per layer
+        for n in calls:                                         # rows end at position + k - 1
+            assert torch.equal(n, torch.arange(position + k - len(n), position + k) + 1)
+        accepted = drafts[:step] + [5]                          # step drafts, then a target token
+        session.commit(accepted)
+        position += len(accepted)

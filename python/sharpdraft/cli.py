@@ -142,7 +142,8 @@ def cmd_generate(args) -> dict:
         draft_threshold=args.draft_threshold, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
               "drafter": args.drafter + ("-tree" if args.tree else ""),
-              "sharp": drafter.sharp.kernel_kwargs(), "max_drafts": drafter.max_drafts,
+              "sharp": drafter.sharp.kernel_kwargs(),
+              "max_drafts": drafter.config.tree_tokens if args.tree else drafter.max_drafts,
               "target": provenance}
     if args.compare_ar:
         ar = _run("target-only", lambda progress: autoregressive_generate(
@@ -182,8 +183,8 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
     g.add_argument("--draft-threshold", type=float, default=0.0,
-                   help="verify drafts only up to the first whose drafter probability is below "
-                        "this (0: the whole block; lossless either way)")
+                   help="chain drafting: verify drafts only up to the first whose drafter "
+                        "probability is below this (0: all of them; lossless either way)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
