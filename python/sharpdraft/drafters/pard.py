@@ -194,9 +194,10 @@ class PARDDrafter(Drafter):
             (j, p) predicts the token at position p + 1.
         """
         C, T = keep.shape
+        keep = keep.to(ids.device)
         rows_ids = ids[None, :].expand(C, T)[keep]
-        is_mask = (torch.arange(C)[:, None].expand(C, T) > 0)[keep]
-        pos = torch.arange(T)[None, :].expand(C, T)[keep]
+        is_mask = (torch.arange(C, device=ids.device)[:, None].expand(C, T) > 0)[keep]
+        pos = torch.arange(T, device=ids.device)[None, :].expand(C, T)[keep]
         mask = parallel_draft_mask(keep)[None, None]
         h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
         return self.head(target, h[0])
