@@ -31,7 +31,9 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
                    "in the beginning god made the heaven and the earth", "--no-chat-template",
                    "--max-new-tokens", "12", "--compare-ar", "--json", sharp, "--threads", "1"])
     assert rc == 0
-    report = json.loads(capsys.readouterr().out)
+    def no_constants(name):
+        raise AssertionError(f"--json printed {name}, which strict JSON parsers reject")
+    report = json.loads(capsys.readouterr().out, parse_constant=no_constants)
     for key in ("text", "new_tokens", "target_forwards", "tau", "tokens_per_s",
                 "ar_tokens_per_s", "speedup"):
         assert key in report

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -142,7 +143,8 @@ def cmd_generate(args) -> dict:
         draft_threshold=args.draft_threshold, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
               "drafter": args.drafter + ("-tree" if args.tree else ""),
-              "sharp": drafter.sharp.kernel_kwargs(),
+              "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
+                        for k, v in drafter.sharp.kernel_kwargs().items()},
               "max_drafts": drafter.config.tree_tokens if args.tree else drafter.max_drafts,
               "target": provenance}
     if args.compare_ar:
@@ -222,13 +224,19 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
     kinds = t.add_subparsers(dest="drafter", required=True, metavar="{dflash,eagle3,pard}")
     from . import train_dflash, train_eagle3, train_pard
-    for name, module in (("dflash", train_dflash), ("eagle3", train_eagle3), ("pard", train_pard)):
-        module.add_arguments(kinds.add_parser(name, help=f"train a {name} drafter"))
+    for name, module, what in (("dflash", train_dflash, "a DFlash"), ("eagle3", train_eagle3,
+                               "an EAGLE-3"), ("pard", train_pard, "a PARD")):
+        module.add_arguments(kinds.add_parser(
+            name, help=f"train {what} drafter (recipe: checkpoints/{name}-smollm2/RECIPE.md)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    p.commands = {"generate": g, "bench": b, "train": t}
     return p
 
 
-def _validate(p: argparse.ArgumentParser, args) -> None:
-    """Reject bad option values before any model is loaded (argparse error, exit code 2)."""
+def _validate(top: argparse.ArgumentParser, args) -> None:
+    """Reject bad option values before any model is loaded (argparse error of the subcommand,
+    exit code 2)."""
+    p = top.commands.get(args.command, top)
     def positive(name):
         v = getattr(args, name, None)
         if v is not None and v < 1:

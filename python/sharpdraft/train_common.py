@@ -29,15 +29,18 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, window: int) 
     p.add_argument("--topk", type=int, default=32, help="cached target probabilities per position")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft vocabulary size (0: the whole target vocabulary)")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=200)
-    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="optimiser steps (the schedule's length)")
+    p.add_argument("--lr", type=float, default=lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="held-out evaluation (and best-checkpoint) period in steps")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the saved weights")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="time budget of the training loop (the cosine schedule ends with it)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
 
 
 def load_data(args, target, tokenizer, provenance):

@@ -390,7 +390,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens to cache")
     p.add_argument("--seq-len", type=int, default=1024,
                    help="training context length (recorded as train_context)")
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=2000,
+                   help="optimiser steps (the schedule's length)")
     p.add_argument("--blocks", type=int, default=16, help="draft blocks per sequence and step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
@@ -399,15 +400,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="draft vocabulary size: the most frequent target tokens of the training "
                         "corpus (0: the whole target vocabulary)")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=60, help="linear warm-up steps")
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
-    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="held-out evaluation (and best-checkpoint) period in steps")
     p.add_argument("--eval-blocks", type=int, default=32)
     p.add_argument("--init", choices=["early", "late", "random"], default="early",
                    help="start the drafter from the target's first layers (early), its last "
                         "layers (late), or randomly (see init_from_target)")
-    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the saved weights")
     p.add_argument("--anchor-warmup", type=float, default=0.3,
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
@@ -418,8 +421,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-only", action="store_true",
                    help="build the feature caches and stop (a later run with the same data "
                         "options reuses them)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
 
 
 def _cache_for(target, tokenizer, provenance, layer_ids, args, split, tokens) -> Dict:
