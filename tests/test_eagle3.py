@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sharpdraft_ext as ext
+from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import eagle3 as e3
 from sharpdraft.drafters.eagle3 import DraftTree, Eagle3Drafter
@@ -101,7 +102,7 @@ def test_tree_rows_see_the_prefix_and_their_ancestors(target, monkeypatch):
         return real_attn(q, k, v, **kw)
 
     monkeypatch.setattr(drafter, "step", step)
-    monkeypatch.setattr(e3.ext, "sharp_attention", attn)
+    monkeypatch.setattr(attention.ext, "sharp_attention", attn)
     prompt = prompt_of(11, 5)
     tree_speculative_generate(target, drafter, prompt, 12)
     assert len(seen) > 3

@@ -64,6 +64,17 @@ class SharpConfig:
         return cls(**(d or {}))
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharp: SharpConfig,
+           **kwargs) -> torch.Tensor:
+    """`sharpdraft_ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs())`; when
+    training (autograd on and q requires grad) the differentiable reference computes the same
+    maths without upcasting, since the fused kernel has no backward."""
+    if torch.is_grad_enabled() and q.requires_grad:
+        return ext.reference.sharp_attention_ref(q, k, v, upcast=False, **kwargs,
+                                                 **sharp.kernel_kwargs())
+    return ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs())
+
+
 def set_sharp_config(model: torch.nn.Module, sharp: SharpConfig) -> None:
     """Attach `sharp` to a model loaded with attn_implementation="sharp" (stored in its config)."""
     model.config.sharp_config = dataclasses.asdict(sharp)
@@ -107,13 +118,8 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         causal = causal and query.shape[2] > 1
         window = kwargs.get("sliding_window") if causal else None
-    kw = dict(causal=causal, window=window, attn_mask=attention_mask, scale=scaling,
-              **sharp.kernel_kwargs())
-    if torch.is_grad_enabled() and query.requires_grad:
-        # the fused kernel has no backward: train through the differentiable reference
-        out = ext.reference.sharp_attention_ref(query, key, value, upcast=False, **kw)
-    else:
-        out = ext.sharp_attention(query, key, value, **kw)
+    out = attend(query, key, value, sharp, causal=causal, window=window,
+                 attn_mask=attention_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

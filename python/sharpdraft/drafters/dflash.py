@@ -24,9 +24,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
-import sharpdraft_ext as ext
-
-from ..attention import SharpConfig
+from ..attention import SharpConfig, attend
 from .base import Drafter, draw_rows
 
 
@@ -159,12 +157,7 @@ class DFlashAttention(nn.Module):
         if cache is not None:  # context keys/values only: the block is recomputed every step
             kc, vc = cache.update(kc, vc, layer)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
-        if torch.is_grad_enabled() and q.requires_grad:
-            # the fused kernel has no backward: train through the differentiable reference
-            out = ext.reference.sharp_attention_ref(q, k, v, attn_mask=attn_mask, upcast=False,
-                                                    **sharp.kernel_kwargs())
-        else:
-            out = ext.sharp_attention(q, k, v, attn_mask=attn_mask, **sharp.kernel_kwargs())
+        out = attend(q, k, v, sharp, attn_mask=attn_mask)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 

@@ -34,9 +34,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
-import sharpdraft_ext as ext
-
-from ..attention import SharpConfig
+from ..attention import SharpConfig, attend
 from .base import Drafter, crop_to
 
 
@@ -107,15 +105,6 @@ class Eagle3Config:
                            hidden_act=self.hidden_act,
                            max_position_embeddings=self.max_position_embeddings,
                            rope_parameters=dict(self.rope_parameters))
-
-
-def _attend(q, k, v, sharp: SharpConfig, causal: bool, attn_mask):
-    if torch.is_grad_enabled() and q.requires_grad:
-        # the fused kernel has no backward: train through the differentiable reference
-        return ext.reference.sharp_attention_ref(q, k, v, causal=causal, attn_mask=attn_mask,
-                                                 upcast=False, **sharp.kernel_kwargs())
-    return ext.sharp_attention(q, k, v, causal=causal, attn_mask=attn_mask,
-                               **sharp.kernel_kwargs())
 
 
 class Eagle3Attention(nn.Module):
@@ -211,8 +200,8 @@ class Eagle3Drafter(Drafter):
                                      self.rotary_emb(embeds, positions))
         if cache is not None:
             k, v = cache.update(k, v, 0)
-        o = _attend(q, k, v, self.sharp, causal=attn_mask is None and q.shape[2] > 1,
-                    attn_mask=attn_mask)
+        o = attend(q, k, v, self.sharp, causal=attn_mask is None and q.shape[2] > 1,
+                   attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
 
     # ----- training -----------------------------------------------------------------------------
@@ -251,7 +240,7 @@ class Eagle3Drafter(Drafter):
             mask = torch.cat([vis0] + [diag] * d, dim=1)
             kk = torch.cat([kd[:, :, :n] for kd in keys], dim=2)
             vv = torch.cat([vd[:, :, :n] for vd in values], dim=2)
-            o = _attend(q, kk, vv, self.sharp, causal=False, attn_mask=mask)
+            o = attend(q, kk, vv, self.sharp, attn_mask=mask)
             normed, hidden = self._layer_out(hidden[:, :n], self.self_attn.out(o))
             out.append(self.head(target, normed[0]))
         return out
