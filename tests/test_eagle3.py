@@ -12,7 +12,7 @@ from sharpdraft.drafters.eagle3 import DraftTree, Eagle3Drafter
 from sharpdraft.engine import (autoregressive_generate, speculative_generate,
                                tree_speculative_generate, verify_tree)
 from sharpdraft_helpers import tiny_eagle3, tiny_target
-from test_engine import chi_square, hf_greedy
+from test_engine import assert_second_token_follows_target, chi_square, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -200,16 +200,9 @@ def test_tree_sampling_end_to_end_matches_target():
     small = tiny_target(seed=5, vocab=8)
     drafter = tiny_eagle3(small, tree_topk=2, tree_depth=2, tree_tokens=4)
     prompt = torch.tensor([[1, 5, 2, 7]])
-    with torch.no_grad():
-        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
-        seqs = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
-        p2 = p1 @ torch.softmax(small(seqs).logits[:, -1], -1)
-    g = torch.Generator().manual_seed(2)
-    c2 = torch.zeros(8)
-    for _ in range(500):
-        c2[tree_speculative_generate(small, drafter, prompt, 2, temperature=1.0,
-                                     generator=g).tokens[1]] += 1
-    assert chi_square(c2, p2) < 26.0, (c2 / 500, p2)    # df 7: P(chi2 > 26) ~ 5e-4
+    assert_second_token_follows_target(
+        lambda generator: tree_speculative_generate(small, drafter, prompt, 2, temperature=1.0,
+                                                    generator=generator), small, prompt, seed=2)
 
 
 def test_save_load_round_trip(target, tmp_path):

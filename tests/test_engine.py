@@ -152,6 +152,29 @@ def test_verify_rule_reproduces_a_markov_chain():
         assert chi_square(second[x1], P[x1]) < 20.5, (x1, second[x1], P[x1])
 
 
+def exact_first_two(small, prompt):
+    """The target's own sampling law after `prompt`, by enumeration: p(x1) (V,), the V
+    continuations prompt + x1 (V, L + 1) and p(x2 | x1) (V, V)."""
+    V = small.config.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
+        seqs = torch.cat([prompt.repeat(V, 1), torch.arange(V)[:, None]], 1)
+        p2_given_1 = torch.softmax(small(seqs).logits[:, -1], -1)
+    return p1, seqs, p2_given_1
+
+
+def assert_second_token_follows_target(run, small, prompt, seed: int, n: int = 500):
+    """Sample `run(generator=g)` n times; the 2nd new token must follow the exact marginal
+    p(x2) = sum_x1 p(x1) p(x2 | x1) (chi-square, vocab 8: df 7, P(chi2 > 26) ~ 5e-4)."""
+    p1, _, p2_given_1 = exact_first_two(small, prompt)
+    p2 = p1 @ p2_given_1
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(small.config.vocab_size)
+    for _ in range(n):
+        counts[run(generator=g).tokens[1]] += 1
+    assert chi_square(counts, p2) < 26.0, (counts / n, p2)
+
+
 @pytest.mark.parametrize("draft_threshold", [0.0, 0.13])
 def test_sampling_matches_target_distribution(target, draft_threshold):
     """End to end: marginals of the 2nd and 3rd new tokens vs the exact target distribution
@@ -159,11 +182,9 @@ def test_sampling_matches_target_distribution(target, draft_threshold):
     small = tiny_target(seed=5, vocab=8)
     drafter = tiny_drafter(small, block_size=3)
     prompt = torch.tensor([[1, 5, 2, 7]])
+    p1, seqs, p2_given_1 = exact_first_two(small, prompt)
+    p2 = p1 @ p2_given_1
     with torch.no_grad():
-        p1 = torch.softmax(small(prompt).logits[0, -1], -1)
-        seqs = torch.cat([prompt.repeat(8, 1), torch.arange(8)[:, None]], 1)
-        p2_given_1 = torch.softmax(small(seqs).logits[:, -1], -1)             # (8, 8)
-        p2 = p1 @ p2_given_1
         seqs3 = torch.cat([seqs.repeat_interleave(8, 0), torch.arange(8).repeat(8)[:, None]], 1)
         p3_given_12 = torch.softmax(small(seqs3).logits[:, -1], -1)           # (64, 8)
         p3 = (p1[:, None] * p2_given_1).reshape(64) @ p3_given_12

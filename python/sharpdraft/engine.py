@@ -191,6 +191,21 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
     return out + [_pick(p_logits[len(drafts)], temperature, generator)]
 
 
+def _record_step(result: GenerationResult, accepted: List[int], n_drafts: int, committed: int,
+                 eos_token_id: Optional[int], max_new_tokens: int, tick) -> int:
+    """Log one verification (statistics) and append its tokens to result.tokens, cut after EOS
+    and at max_new_tokens; returns the new last token."""
+    result.accept_lengths.append(len(accepted))
+    result.draft_lengths.append(n_drafts)
+    result.context_lengths.append(committed)
+    if eos_token_id in accepted:
+        accepted = accepted[: accepted.index(eos_token_id) + 1]
+    accepted = accepted[: max_new_tokens - len(result.tokens)]
+    result.tokens.extend(accepted)
+    tick(len(accepted))
+    return result.tokens[-1]
+
+
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
                          max_new_tokens: int, *, temperature: float = 0.0,
@@ -249,15 +264,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         if n_acc < len(drafts):                   # roll back past the first rejection
             cache.crop(-(len(drafts) - n_acc))
         session.commit(accepted, out.hidden_states if hidden else None)
-        result.accept_lengths.append(len(accepted))
-        result.draft_lengths.append(len(drafts))
-        result.context_lengths.append(committed)
-        if eos_token_id in accepted:
-            accepted = accepted[: accepted.index(eos_token_id) + 1]
-        accepted = accepted[: max_new_tokens - len(tokens)]
-        tokens.extend(accepted)
-        tick(len(accepted))
-        last = tokens[-1]
+        last = _record_step(result, accepted, len(drafts), committed, eos_token_id,
+                            max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -359,14 +367,6 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         _keep_cache_rows(cache, committed + 1, path)
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)
         session.commit(accepted, tuple(h.index_select(1, rows) for h in out.hidden_states))
-        result.accept_lengths.append(len(accepted))
-        result.draft_lengths.append(n)
-        result.context_lengths.append(committed)
-        if eos_token_id in accepted:
-            accepted = accepted[: accepted.index(eos_token_id) + 1]
-        accepted = accepted[: max_new_tokens - len(tokens)]
-        tokens.extend(accepted)
-        tick(len(accepted))
-        last = tokens[-1]
+        last = _record_step(result, accepted, n, committed, eos_token_id, max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
     return result

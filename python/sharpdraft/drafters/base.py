@@ -23,9 +23,49 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+
+
+def target_geometry(target_config) -> dict:
+    """The Llama geometry a drafter config copies from its target's transformers config
+    (hidden_size .. rope_parameters; head_dim defaults to hidden_size / heads)."""
+    t = target_config
+    return dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                num_attention_heads=t.num_attention_heads,
+                num_key_value_heads=t.num_key_value_heads,
+                head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
+                max_position_embeddings=t.max_position_embeddings,
+                rope_parameters=dict(t.rope_parameters))
+
+
+def llama_config(config, num_layers: int) -> LlamaConfig:
+    """The transformers LlamaConfig a drafter's layers (MLP, norms, RoPE) are built from: the
+    geometry fields of a drafter config (see `target_geometry`) and `num_layers` layers."""
+    return LlamaConfig(hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size,
+                       num_attention_heads=config.num_attention_heads,
+                       num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                       num_hidden_layers=num_layers, rms_norm_eps=config.rms_norm_eps,
+                       hidden_act=config.hidden_act,
+                       max_position_embeddings=config.max_position_embeddings,
+                       rope_parameters=dict(config.rope_parameters))
+
+
+def check_config(config, minimums: dict) -> None:
+    """Raise ValueError naming the field when a drafter config field is below its minimum, or
+    when draft_vocab_size is neither None nor >= 2."""
+    name = type(config).__name__
+    for field_name, lo in minimums.items():
+        value = getattr(config, field_name)
+        if value < lo:
+            raise ValueError(f"{name}.{field_name} must be >= {lo}, got {value}")
+    if config.draft_vocab_size is not None and config.draft_vocab_size < 2:
+        raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
+                         f"{config.draft_vocab_size}")
 
 
 def crop_to(cache, length: int) -> None:

@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import Drafter, draw_rows
+from .base import Drafter, check_config, draw_rows, llama_config, target_geometry
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -72,15 +72,7 @@ class DFlashConfig:
                                                            "rope_theta": 10000.0})
 
     def __post_init__(self):
-        if self.block_size < 2:
-            raise ValueError(f"DFlashConfig.block_size must be >= 2, got {self.block_size}")
-        if self.num_layers < 1:
-            raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
-        if self.train_context < 1:
-            raise ValueError(f"DFlashConfig.train_context must be >= 1, got {self.train_context}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"DFlashConfig.draft_vocab_size must be None or >= 2, got "
-                             f"{self.draft_vocab_size}")
+        check_config(self, {"block_size": 2, "num_layers": 1, "train_context": 1})
 
     @classmethod
     def from_target(cls, target_config, *, mask_token_id: int, num_layers: int = 2,
@@ -95,27 +87,15 @@ class DFlashConfig:
             mask_token_id: a token id of the target's vocabulary (see `default_mask_token_id`).
         """
         t = target_config
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        return cls(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                   num_attention_heads=t.num_attention_heads,
-                   num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
-                   target_hidden_size=t.hidden_size,
+        return cls(**target_geometry(t), target_hidden_size=t.hidden_size,
                    target_layer_ids=evenly_spaced_layers(t.num_hidden_layers, num_features),
                    mask_token_id=int(mask_token_id), num_layers=num_layers,
                    block_size=block_size, train_context=train_context,
-                   draft_vocab_size=draft_vocab_size, rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
-                   max_position_embeddings=t.max_position_embeddings,
-                   rope_parameters=dict(t.rope_parameters))
+                   draft_vocab_size=draft_vocab_size)
 
     def llama_config(self) -> LlamaConfig:
         """The transformers LlamaConfig the drafter's layers (MLP, norms, RoPE) are built from."""
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           num_hidden_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
-                           hidden_act=self.hidden_act,
-                           max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=dict(self.rope_parameters))
+        return llama_config(self, self.num_layers)
 
 
 def default_mask_token_id(tokenizer) -> int:

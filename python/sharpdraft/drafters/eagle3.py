@@ -35,7 +35,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import Drafter, crop_to
+from .base import Drafter, check_config, crop_to, llama_config, target_geometry
 
 
 @dataclass
@@ -70,14 +70,10 @@ class Eagle3Config:
                                                            "rope_theta": 10000.0})
 
     def __post_init__(self):
-        for name in ("chain_length", "tree_topk", "tree_depth", "tree_tokens", "train_context"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Eagle3Config.{name} must be >= 1, got {getattr(self, name)}")
+        check_config(self, {"chain_length": 1, "tree_topk": 1, "tree_depth": 1,
+                            "tree_tokens": 1, "train_context": 1})
         if len(self.target_layer_ids) < 1:
             raise ValueError("Eagle3Config.target_layer_ids must name at least one target layer")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"Eagle3Config.draft_vocab_size must be None or >= 2, got "
-                             f"{self.draft_vocab_size}")
 
     @classmethod
     def from_target(cls, target_config, target_layer_ids: Optional[List[int]] = None,
@@ -85,26 +81,13 @@ class Eagle3Config:
         """The target's width; fused layers default to (2, L // 2, L - 3) of L target layers."""
         t = target_config
         L = t.num_hidden_layers
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        base = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                    num_attention_heads=t.num_attention_heads,
-                    num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
-                    target_hidden_size=t.hidden_size,
-                    target_layer_ids=list(target_layer_ids or [min(2, L - 1), L // 2,
-                                                               max(0, L - 3)]),
-                    rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
-                    max_position_embeddings=t.max_position_embeddings,
-                    rope_parameters=dict(t.rope_parameters))
-        return cls(**{**base, **kwargs})
+        layers = list(target_layer_ids or [min(2, L - 1), L // 2, max(0, L - 3)])
+        return cls(**{**target_geometry(t), "target_hidden_size": t.hidden_size,
+                      "target_layer_ids": layers, **kwargs})
 
     def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           num_hidden_layers=1, rms_norm_eps=self.rms_norm_eps,
-                           hidden_act=self.hidden_act,
-                           max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=dict(self.rope_parameters))
+        """LlamaConfig of the single layer's MLP and of RoPE."""
+        return llama_config(self, 1)
 
 
 class Eagle3Attention(nn.Module):

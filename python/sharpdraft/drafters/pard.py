@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
                                                       LlamaRotaryEmbedding)
 
 from ..attention import SharpConfig, register
-from .base import Drafter, crop_to, draw_rows
+from .base import Drafter, check_config, crop_to, draw_rows, llama_config, target_geometry
 
 
 @dataclass
@@ -60,39 +60,17 @@ class PARDConfig:
                                                            "rope_theta": 10000.0})
 
     def __post_init__(self):
-        if self.num_layers < 1:
-            raise ValueError(f"PARDConfig.num_layers must be >= 1, got {self.num_layers}")
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"PARDConfig.num_draft_tokens must be >= 1, got "
-                             f"{self.num_draft_tokens}")
-        if self.train_context < 1:
-            raise ValueError(f"PARDConfig.train_context must be >= 1, got {self.train_context}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
-            raise ValueError(f"PARDConfig.draft_vocab_size must be None or >= 2, got "
-                             f"{self.draft_vocab_size}")
+        check_config(self, {"num_layers": 1, "num_draft_tokens": 1, "train_context": 1})
 
     @classmethod
     def from_target(cls, target_config, **kwargs) -> "PARDConfig":
         """The target's geometry (Llama-like config) with the given PARD options."""
-        t = target_config
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        base = dict(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                    num_attention_heads=t.num_attention_heads,
-                    num_key_value_heads=t.num_key_value_heads, head_dim=head_dim,
-                    rms_norm_eps=t.rms_norm_eps, hidden_act=t.hidden_act,
-                    max_position_embeddings=t.max_position_embeddings,
-                    rope_parameters=dict(t.rope_parameters))
-        return cls(**{**base, **kwargs})
+        return cls(**{**target_geometry(target_config), **kwargs})
 
     def llama_config(self) -> LlamaConfig:
+        """LlamaConfig of the layers, attention through the "sharp" interface."""
         register()
-        cfg = LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                          num_attention_heads=self.num_attention_heads,
-                          num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                          num_hidden_layers=self.num_layers, rms_norm_eps=self.rms_norm_eps,
-                          hidden_act=self.hidden_act,
-                          max_position_embeddings=self.max_position_embeddings,
-                          rope_parameters=dict(self.rope_parameters))
+        cfg = llama_config(self, self.num_layers)
         cfg._attn_implementation = "sharp"
         return cfg
 
