@@ -68,6 +68,29 @@ def check_config(config, minimums: dict) -> None:
                          f"{config.draft_vocab_size}")
 
 
+class HeadProjections(nn.Module):
+    """q/k/v projections from `in_features` and the output projection back to hidden_size, as
+    in a Llama attention block (no biases), with the head split/merge helpers."""
+
+    def __init__(self, config, in_features: int):
+        super().__init__()
+        d = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(in_features, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, L, n * d) -> (B, n, L, d)."""
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, L, d) attention output -> (B, L, hidden)."""
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
 def crop_to(cache, length: int) -> None:
     """Drop the entries of a DynamicCache past the first `length` positions."""
     extra = cache.get_seq_length() - length

@@ -25,7 +25,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import Drafter, check_config, draw_rows, llama_config, target_geometry
+from .base import (Drafter, HeadProjections, check_config, draw_rows, llama_config,
+                   target_geometry)
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -109,21 +110,11 @@ def default_mask_token_id(tokenizer) -> int:
     return len(tokenizer) - 1
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(HeadProjections):
     """Block queries over [context ; block] keys, non-causal, through sharp attention."""
 
     def __init__(self, config: DFlashConfig):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
-                                                            config.num_key_value_heads, d)
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+        super().__init__(config, config.hidden_size)
 
     def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
                 sharp: SharpConfig, attn_mask: Optional[torch.Tensor]):
@@ -138,7 +129,7 @@ class DFlashAttention(nn.Module):
             kc, vc = cache.update(kc, vc, layer)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
         out = attend(q, k, v, sharp, attn_mask=attn_mask)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.out(out)
 
 
 class DFlashLayer(nn.Module):

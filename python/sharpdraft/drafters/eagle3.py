@@ -35,7 +35,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import Drafter, check_config, crop_to, llama_config, target_geometry
+from .base import (Drafter, HeadProjections, check_config, crop_to, llama_config,
+                   target_geometry)
 
 
 @dataclass
@@ -90,21 +91,11 @@ class Eagle3Config:
         return llama_config(self, 1)
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(HeadProjections):
     """Self-attention whose q/k/v read the 2 * hidden input."""
 
     def __init__(self, config: Eagle3Config):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
-                                                            config.num_key_value_heads, d)
-        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-
-    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+        super().__init__(config, 2 * config.hidden_size)
 
     def qkv(self, x: torch.Tensor, rope):
         q = self._heads(self.q_proj(x), self.num_heads)
@@ -112,9 +103,6 @@ class Eagle3Attention(nn.Module):
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = apply_rotary_pos_emb(q, k, *rope)
         return q, k, v
-
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
 class Eagle3Drafter(Drafter):
