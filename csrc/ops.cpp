@@ -1,6 +1,6 @@
 // ops.cpp: the torch.library schema of the sharpdraft ops and their CPU kernels.
 // The CUDA kernels register against the same schema in csrc/cuda/binding.cpp; the fake (meta)
-// kernels used by torch.compile live in sharpdraft_ext/_ops.py.
+// kernels used by torch.compile live in sharpdraft_ext/_ops.py and call the check ops below.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -64,16 +64,13 @@ at::Tensor visible_counts_cpu(const at::Tensor& q, const at::Tensor& k, bool cau
 at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double slope,
                            const std::optional<at::Tensor>& slope_per_head, int64_t n_ref,
                            int64_t topk, double contrast, double beta_min, double beta_max) {
-  TORCH_CHECK_VALUE(at::isIntegralType(n.scalar_type(), /*includeBool=*/false),
-                    "n must be an integer tensor of cardinalities, got ", n.scalar_type());
   ScaleParams sp;
-  const int64_t hq = slope_per_head.has_value() ? slope_per_head->numel() : 1;
-  auto slope_t = detail::check_scale_args(sp, std::nullopt, mode, slope, slope_per_head, n_ref, topk,
-                                          contrast, beta_min, beta_max, hq, n.device());
-  int64_t lq = 1;
+  check_query_scale_meta(n, mode, slope, slope_per_head, n_ref, topk, contrast, beta_min,
+                         beta_max, &sp);
+  const auto slope_t = detail::slope_tensor(slope_per_head, n.device());
+  int64_t hq = 1, lq = 1;
   if (slope_t.has_value()) {
-    TORCH_CHECK_VALUE(n.dim() >= 2 && n.size(-2) == hq, "n must have shape (..., Hq, Lq) with Hq = ",
-                      hq, " to match the slope tensor, got ", n.sizes());
+    hq = slope_t->numel();
     lq = n.size(-1);
     sp.slope_per_head = slope_t->data_ptr<float>();
   }
@@ -85,6 +82,40 @@ at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double sl
     bp[e] = static_cast<float>(query_scale(np[e], sp, (e / lq) % hq));
   }
   return beta;
+}
+
+// The check ops: the meta checks of api.h (shapes, dtypes, devices, scalar arguments; never
+// tensor values), callable on any tensors, fake and meta ones included. The fake kernels in
+// sharpdraft_ext/_ops.py call them, so torch.compile rejects what eager rejects.
+void check_sharp_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           bool causal, std::optional<int64_t> window,
+                           const std::optional<at::Tensor>& attn_mask,
+                           const std::optional<at::Tensor>& kv_lens, std::optional<double> scale,
+                           c10::string_view mode, double slope,
+                           const std::optional<at::Tensor>& slope_per_head, int64_t n_ref,
+                           int64_t topk, double contrast, double beta_min, double beta_max,
+                           const std::optional<at::Tensor>& n_visible) {
+  check_dense_meta(q, k, v, causal, window, attn_mask, kv_lens, scale, mode, slope,
+                   slope_per_head, n_ref, topk, contrast, beta_min, beta_max, n_visible);
+}
+
+void check_sharp_attention_varlen(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+    std::optional<int64_t> max_seqlen_k, bool causal, std::optional<int64_t> window,
+    std::optional<double> scale, c10::string_view mode, double slope,
+    const std::optional<at::Tensor>& slope_per_head, int64_t n_ref, int64_t topk, double contrast,
+    double beta_min, double beta_max, const std::optional<at::Tensor>& n_visible) {
+  check_varlen_meta(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                    window, scale, mode, slope, slope_per_head, n_ref, topk, contrast, beta_min,
+                    beta_max, n_visible);
+}
+
+void check_query_scale(const at::Tensor& n, c10::string_view mode, double slope,
+                       const std::optional<at::Tensor>& slope_per_head, int64_t n_ref,
+                       int64_t topk, double contrast, double beta_min, double beta_max) {
+  check_query_scale_meta(n, mode, slope, slope_per_head, n_ref, topk, contrast, beta_min,
+                         beta_max);
 }
 
 }  // namespace
@@ -107,6 +138,24 @@ TORCH_LIBRARY(sharpdraft, m) {
   m.def(
       "query_scale(Tensor n, str mode, float slope, Tensor? slope_per_head, int n_ref, int topk, "
       "float contrast, float beta_min, float beta_max) -> Tensor");
+  // Argument checks only (no output, no tensor values read): a catch-all kernel, so they run
+  // on CPU, CUDA, meta and fake tensors alike.
+  m.def(
+      "check_sharp_attention(Tensor q, Tensor k, Tensor v, bool causal, int? window, "
+      "Tensor? attn_mask, Tensor? kv_lens, float? scale, str mode, float slope, "
+      "Tensor? slope_per_head, int n_ref, int topk, float contrast, float beta_min, "
+      "float beta_max, Tensor? n_visible) -> ()",
+      &check_sharp_attention);
+  m.def(
+      "check_sharp_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k, bool causal, int? window, "
+      "float? scale, str mode, float slope, Tensor? slope_per_head, int n_ref, int topk, "
+      "float contrast, float beta_min, float beta_max, Tensor? n_visible) -> ()",
+      &check_sharp_attention_varlen);
+  m.def(
+      "check_query_scale(Tensor n, str mode, float slope, Tensor? slope_per_head, int n_ref, "
+      "int topk, float contrast, float beta_min, float beta_max) -> ()",
+      &check_query_scale);
   m.def("cpu_isa() -> str", [] { return std::string(cpu::isa_name()); });
 }
 

@@ -75,9 +75,13 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         out (B, Hq, Lq, D) in q's dtype, and with return_lse lse (B, Hq, Lq) float32 (natural
         log). Rows with no visible key give zeros and lse = -inf.
 
+    Differentiable in q, k, v and a slope tensor: backward returns the gradient of the float64
+    reference (`reference.sharp_attention_ref`), recomputed with its (B, Hq, Lq, Lk) scores.
+
     Raises:
-        ValueError (or RuntimeError) naming the argument for any input SPEC §5 rejects, before
-        any work is done.
+        ValueError (or RuntimeError) naming the argument for any input SPEC §5 rejects (beta_min
+        must be finite, beta_max finite or +inf), before any work is done; on meta or fake
+        tensors (torch.compile) the shape, dtype and device checks run as well.
     """
     _check_device(q)
     slope_f, slope_t = _split_slope(slope)
@@ -108,6 +112,11 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Returns:
         out (total_q, Hq, D) in q's dtype, and with return_lse lse (Hq, total_q) float32.
+        Differentiable as `sharp_attention`.
+
+    Raises:
+        ValueError naming the argument for any input SPEC §5 rejects, before any work; the
+        cu_seqlens are checked as the kernel reads them (any strides).
     """
     _check_device(q)
     slope_f, slope_t = _split_slope(slope)
@@ -147,7 +156,10 @@ def query_scale(n: torch.Tensor, *, mode: str = "fixed_slope",
         n: integer tensor of cardinalities; with a per-head slope tensor (Hq,) its shape must be
             (..., Hq, Lq).
         Other keywords as in `sharp_attention`.
-    Returns: float32 tensor of n's shape, on n's device.
+    Returns: float32 tensor of n's shape, on n's device (differentiable in a slope tensor).
+
+    Raises:
+        ValueError naming the argument (as `sharp_attention`).
     """
     slope_f, slope_t = _split_slope(slope)
     beta = ops.query_scale(n.cpu(), mode, slope_f, None if slope_t is None else slope_t.cpu(),

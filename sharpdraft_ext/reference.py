@@ -46,6 +46,18 @@ SlopeLike = Union[float, torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 # beta(n)
 # ---------------------------------------------------------------------------------------------
+def _check_beta_bounds(beta_min: float, beta_max: float) -> None:
+    """beta = clamp(beta(n), beta_min, beta_max) is finite for every n only when beta_min is
+    finite and beta_max is finite or +inf (SPEC §5, as the kernel checks)."""
+    if not math.isfinite(beta_min):
+        raise ValueError(f"beta_min must be finite, got {beta_min}")
+    if math.isnan(beta_max) or beta_max == -math.inf:
+        raise ValueError(f"beta_max must be finite or +inf, got {beta_max}")
+    if beta_min > beta_max:
+        raise ValueError(f"beta_min must be <= beta_max, got beta_min={beta_min} and "
+                         f"beta_max={beta_max}")
+
+
 def query_scale_ref(
     n,
     mode: str = "fixed_slope",
@@ -75,9 +87,16 @@ def query_scale_ref(
     Edge cases: a count n <= 0 in fixed_slope gives ln(0) = -inf before the clamp, i.e. beta =
     beta_min (such a row is empty unless n_visible overrides its count); slope == 0 gives
     exactly 1 before the clamp.
+
+    Differentiable in a slope tensor (zero gradient where the clamp or n <= 0 holds).
+
+    Raises:
+        ValueError: unknown mode; beta_min not finite (it is the beta of n = 0 in fixed_slope,
+            and +inf would make every beta infinite); beta_max NaN or -inf; beta_min > beta_max.
     """
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    _check_beta_bounds(beta_min, beta_max)
     n = torch.as_tensor(n)
     device = n.device
     n64 = n.to(torch.float64)
@@ -92,16 +111,13 @@ def query_scale_ref(
             lam = slope.to(device=device, dtype=torch.float64)[:, None]
         else:
             lam = torch.tensor(float(slope), dtype=torch.float64, device=device)
-        log_ratio = torch.where(
-            n64 > 0,
-            torch.log(n64.clamp_min(1.0) / float(n_ref)),
-            torch.full_like(n64, -math.inf),
-        )
-        # lam * log_ratio with lam == 0 and log_ratio == -inf would be NaN: beta = 1 there.
-        prod = torch.where(lam == 0, torch.zeros((), dtype=torch.float64, device=device),
-                           lam * log_ratio)
-        # For lam < 0 and n <= 0 the product would be +inf; SPEC leaves n = 0 to the clamp
-        # from below (the row is empty), so treat every n <= 0 as -inf.
+        # ln(n / n_ref) for n >= 1; n <= 0 (ln = -inf) is set below, after the product, so that
+        # neither lam == 0 (0 * -inf) nor a slope gradient (d/dlam = ln(n / n_ref)) sees -inf.
+        log_ratio = torch.log(n64.clamp_min(1.0) / float(n_ref))
+        prod = lam * log_ratio
+        # lam == 0 gives beta = 1 even for n <= 0. For lam < 0 and n <= 0 the product would be
+        # +inf; SPEC leaves n = 0 to the clamp from below (the row is empty), so treat every
+        # n <= 0 as -inf.
         prod = torch.where((n64 <= 0) & (lam != 0), torch.full_like(prod, -math.inf), prod)
         beta = 1.0 + prod
     else:  # exact_topk

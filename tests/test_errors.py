@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_ext, make_gen, make_qkv, make_varlen_qkv
+from conftest import load_ext, make_gen, make_qkv, make_varlen_qkv, ref
 
 ext, _ = load_ext()
 pytestmark = pytest.mark.usefixtures("require_ext")
@@ -104,6 +104,14 @@ def _dense_cases():
         ("scale inf", dict(scale=float("inf")), ("scale",)),
         ("beta_min > beta_max", dict(beta_min=2.0, beta_max=1.5), ("beta_min", "beta_max")),
         ("beta_min nan", dict(beta_min=float("nan")), ("beta_min", "beta_max")),
+        # non-finite beta bounds that give a non-finite beta (issue 11: all-NaN outputs)
+        ("beta_min = beta_max = inf", dict(beta_min=float("inf"), beta_max=float("inf")),
+         ("beta_min",)),
+        ("beta_min -inf", dict(beta_min=float("-inf")), ("beta_min",)),
+        ("beta_min -inf, n_visible 0", dict(beta_min=float("-inf"), n_visible=0),
+         ("beta_min",)),
+        ("beta_max -inf", dict(beta_min=-1.0, beta_max=float("-inf")), ("beta_max",)),
+        ("beta_max nan", dict(beta_max=float("nan")), ("beta_max",)),
         ("unknown mode", dict(mode="sharpest"), ("mode",)),
         ("mode case", dict(mode="Fixed_Slope"), ("mode",)),
         ("n_visible shape", dict(n_visible=torch.ones(B, HQ, LQ + 2, dtype=torch.int64)),
@@ -169,7 +177,10 @@ def _varlen_cases():
         ("contrast 0", dict(mode="exact_topk", contrast=0.0), ("contrast",)),
         ("scale inf", dict(scale=float("inf")), ("scale",)),
         ("beta_min > beta_max", dict(beta_min=3.0, beta_max=2.0), ("beta_min", "beta_max")),
+        ("beta_min inf", dict(beta_min=float("inf"), beta_max=float("inf")), ("beta_min",)),
+        ("beta_min -inf", dict(beta_min=float("-inf"), n_visible=0), ("beta_min",)),
         ("unknown mode", dict(mode="nope"), ("mode",)),
+        ("max_seqlen_q < 0", dict(max_seqlen_q=-1), ("max_seqlen_q",)),
         ("n_visible shape", dict(n_visible=torch.ones(9, HQ, dtype=torch.int64)), ("n_visible",)),
     ]
 
@@ -211,7 +222,11 @@ def test_visible_counts_errors(dense, change, names):
     (dict(slope=torch.full((5,), 0.2)), ("slope",)),
     (dict(mode="exact_topk", contrast=-1.0), ("contrast",)),
     (dict(beta_min=1.2, beta_max=1.1), ("beta_min", "beta_max")),
-], ids=["mode", "n_ref", "topk", "slope", "slope_shape", "contrast", "beta"])
+    (dict(beta_min=float("inf"), beta_max=float("inf")), ("beta_min",)),
+    (dict(beta_min=float("-inf")), ("beta_min",)),
+    (dict(beta_min=-1.0, beta_max=float("-inf")), ("beta_max",)),
+], ids=["mode", "n_ref", "topk", "slope", "slope_shape", "contrast", "beta", "beta_min_inf",
+        "beta_min_-inf", "beta_max_-inf"])
 def test_query_scale_errors(change, names):
     n = torch.randint(1, 5000, (2, HQ, 7))
     with pytest.raises(ERR, match=name_re(*names)):
@@ -226,3 +241,111 @@ def test_errors_leave_inputs_untouched(dense):
         ext.sharp_attention(q, k, v, mode="exact_topk", n_ref=4, topk=4)
     for a, b in zip((q, k, v), before):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,names", [
+    (dict(beta_min=float("inf"), beta_max=float("inf")), ("beta_min",)),
+    (dict(beta_min=float("-inf"), n_visible=0), ("beta_min",)),
+    (dict(beta_min=-1.0, beta_max=float("-inf")), ("beta_max",)),
+    (dict(beta_max=float("nan")), ("beta_max",)),
+], ids=["inf", "-inf_n0", "max_-inf", "max_nan"])
+def test_reference_rejects_non_finite_beta_bounds(dense, kw, names):
+    """The reference gave all-NaN outputs for these too (issue 11)."""
+    q, k, v = dense
+    with pytest.raises(ValueError, match=name_re(*names)):
+        ref.sharp_attention_ref(q, k, v, **kw)
+    with pytest.raises(ValueError, match=name_re(*names)):
+        ref.query_scale_ref(torch.tensor([0, 5, 4096]),
+                            **{key: val for key, val in kw.items() if key != "n_visible"})
+
+
+def test_infinite_beta_max_and_finite_negative_beta_min_stay_valid(dense):
+    """beta_max = +inf (the default) and a finite beta_min below 1 give finite outputs."""
+    q, k, v = dense
+    out = ext.sharp_attention(q, k, v, beta_min=-3.0, beta_max=float("inf"), n_visible=0)
+    want = ref.sharp_attention_ref(q, k, v, beta_min=-3.0, beta_max=float("inf"), n_visible=0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fake (meta) kernels check like the real ones (issue 11: they returned shapes unchecked)
+# ---------------------------------------------------------------------------------------------
+# checks that read tensor values: the real kernel makes them, a meta or fake tensor has none
+VALUE_CASES = {"kv_lens > Lk", "kv_lens < 0", "slope tensor inf", "cu_seqlens_q decreasing",
+               "cu_seqlens_k decreasing", "cu_seqlens_k past total"}
+
+
+def _to(device_or_mode, x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(device_or_mode, str):
+        return x.to(device_or_mode)
+    return device_or_mode.from_tensor(x)
+
+
+def _fake_modes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    return ["meta", FakeTensorMode()]
+
+
+def _in_mode(mode):
+    import contextlib
+    return contextlib.nullcontext() if isinstance(mode, str) else mode
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+@pytest.mark.parametrize("desc,change,names", [c for c in DENSE_CASES if c[0] not in VALUE_CASES],
+                         ids=[c[0] for c in DENSE_CASES if c[0] not in VALUE_CASES])
+def test_dense_errors_on_meta_and_fake_tensors(dense, desc, change, names, where):
+    mode = _fake_modes()[0 if where == "meta" else 1]
+    q, k, v = dense
+    args = dict(q=q, k=k, v=v)
+    kw = {}
+    for key, val in change.items():
+        (args if key in ("q", "k", "v") else kw)[key] = val
+    args = {key: _to(mode, val) for key, val in args.items()}
+    kw = {key: _to(mode, val) for key, val in kw.items()}
+    with _in_mode(mode), pytest.raises(ERR, match=name_re(*names)):
+        ext.sharp_attention(args["q"], args["k"], args["v"], **kw)
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+@pytest.mark.parametrize("desc,change,names",
+                         [c for c in VARLEN_CASES if c[0] not in VALUE_CASES],
+                         ids=[c[0] for c in VARLEN_CASES if c[0] not in VALUE_CASES])
+def test_varlen_errors_on_meta_and_fake_tensors(packed, desc, change, names, where):
+    mode = _fake_modes()[0 if where == "meta" else 1]
+    q, k, v, cu_q, cu_k = packed
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    kw = {}
+    for key, val in change.items():
+        (args if key in args else kw)[key] = val
+    args = {key: _to(mode, val) for key, val in args.items()}
+    kw = {key: _to(mode, val) for key, val in kw.items()}
+    with _in_mode(mode), pytest.raises(ERR, match=name_re(*names)):
+        ext.sharp_attention_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                                   args["cu_seqlens_k"], **kw)
+
+
+def test_meta_calls_of_the_issue(dense):
+    q, k, v = (t.to("meta") for t in dense)
+    with pytest.raises(ValueError, match=name_re("k", "v")):  # head dim 33 vs 32
+        ext.sharp_attention(q, torch.randn(B, HK, LK, D + 1, device="meta"),
+                            torch.randn(B, HK, LK, D + 1, device="meta"))
+    with pytest.raises(ValueError, match=name_re("k")):  # q on meta, k and v on the CPU
+        ext.sharp_attention(q, dense[1], dense[2])
+    with pytest.raises(ValueError, match=name_re("q")):  # 3-D q
+        ext.sharp_attention(q[0], k, v)
+    out, lse = ext.sharp_attention(q, k, v, causal=True, return_lse=True)  # valid: shapes
+    assert out.shape == q.shape and out.device.type == "meta" and lse.shape == q.shape[:3]
+    with pytest.raises(ValueError, match=name_re("window")):
+        ext.visible_counts(q, k, window=2)
+    assert ext.visible_counts(q, k, causal=True).shape == q.shape[:3]
+    n = torch.randint(1, 9, (B, HQ, LQ)).to("meta")
+    with pytest.raises(ValueError, match=name_re("slope")):
+        ext.ops.query_scale(n, "fixed_slope", 0.2, torch.ones(HQ + 1, device="meta"), 2048, 32,
+                            5.0, 1.0, float("inf"))
+    with pytest.raises(ValueError, match=name_re("beta_min")):
+        ext.ops.query_scale(n, "fixed_slope", 0.2, None, 2048, 32, 5.0, float("inf"),
+                            float("inf"))

@@ -9,6 +9,8 @@ fresh random combinations on top.
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -428,3 +430,262 @@ def test_random_varlen(c):
     q, k, v, cu_q, cu_k = make_varlen_qkv(c["lq"], c["lk"], 2 * c["ratio"], 2, c["D"],
                                           c["dtype"], g, sliced=c["sliced"])
     check_varlen(q, k, v, cu_q, cu_k, **c["kw"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Fuzz of the index tensors: any cu_seqlens / kv_lens / n_visible, valid or not, contiguous or a
+# strided view, gives either a ValueError or the reference's result (never a crash). Validity
+# is decided here from the values the tensor holds, independently of the kernel's checks.
+# ---------------------------------------------------------------------------------------------
+def _as_view(values, dtype, layout, filler):
+    """A 1-D tensor holding `values`, laid out as `layout`: contiguous, every other element of
+    a buffer whose other elements are `filler`, or a column of a 2-D buffer."""
+    n = len(values)
+    if layout == "contiguous":
+        return torch.tensor(values, dtype=dtype)
+    if layout == "stride2":
+        buf = torch.full((2 * n,), filler, dtype=dtype)
+        buf[::2] = torch.tensor(values, dtype=dtype)
+        return buf[::2]
+    buf = torch.full((n, 3), filler, dtype=dtype)  # "column": stride 3, offset 1
+    buf[:, 1] = torch.tensor(values, dtype=dtype)
+    return buf[:, 1]
+
+
+LAYOUTS = ("contiguous", "stride2", "column")
+FILLERS = (99, 4000, -7, 0, 5)
+
+
+@st.composite
+def varlen_index_cases(draw):
+    nb = draw(st.integers(1, 3))
+    lq = draw(st.lists(st.integers(0, 6), min_size=nb, max_size=nb))
+    lk = draw(st.lists(st.integers(0, 8), min_size=nb, max_size=nb))
+    cus = []
+    for lens in (lq, lk):
+        vals = [0]
+        for n in lens:
+            vals.append(vals[-1] + n)
+        how = draw(st.sampled_from(["valid", "valid", "perturb", "random", "length"]))
+        if how == "perturb":
+            i = draw(st.integers(0, len(vals) - 1))
+            vals[i] += draw(st.sampled_from([-4000, -2, -1, 1, 2, 99, 4000]))
+        elif how == "random":
+            vals = draw(st.lists(st.integers(-5, 30), min_size=nb + 1, max_size=nb + 1))
+        elif how == "length":
+            vals = vals + [vals[-1]] if draw(st.booleans()) else vals[:-1] or [0]
+        cus.append(vals)
+    heads = draw(st.sampled_from([(1, 1), (2, 1), (4, 2)]))
+    nv = None
+    if draw(st.booleans()):
+        nv = draw(st.sampled_from(["int", "tensor", "negative"]))
+    return dict(lq=lq, lk=lk, cus=cus, heads=heads, nv=nv,
+                dtype=draw(st.sampled_from([torch.int32] * 5 + [torch.int64])),
+                layouts=[draw(st.sampled_from(LAYOUTS)) for _ in range(2)],
+                filler=draw(st.sampled_from(FILLERS)), causal=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _valid_cu(vals, total, length):
+    return (len(vals) == length and len(vals) >= 2 and vals[0] == 0 and vals[-1] == total
+            and all(b >= a for a, b in zip(vals, vals[1:])))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(varlen_index_cases())
+def test_fuzz_varlen_index_tensors(c):
+    g = make_gen(c["seed"])
+    hq, hk = c["heads"]
+    tq, tk = sum(c["lq"]), sum(c["lk"])
+    q = torch.randn(tq, hq, 16, generator=g)
+    k, v = torch.randn(tk, hk, 16, generator=g), torch.randn(tk, hk, 16, generator=g)
+    cu_q, cu_k = (_as_view(vals, c["dtype"], lay, c["filler"])
+                  for vals, lay in zip(c["cus"], c["layouts"]))
+    kw = dict(causal=c["causal"], n_ref=4)
+    nv_ok = True
+    if c["nv"] == "int":
+        kw["n_visible"] = 3
+    elif c["nv"] is not None:  # a (Hq, total_q) buffer viewed transposed: not contiguous
+        lo = -2 if c["nv"] == "negative" else 0
+        nv = torch.randint(lo, 50, (hq, tq), generator=g).t()
+        nv_ok = tq == 0 or int(nv.min()) >= 0
+        kw["n_visible"] = nv
+    valid = (c["dtype"] == torch.int32 and nv_ok
+             and len(c["cus"][0]) == len(c["cus"][1])
+             and _valid_cu(c["cus"][0], tq, len(c["cus"][0]))
+             and _valid_cu(c["cus"][1], tk, len(c["cus"][1])))
+    if not valid:
+        with pytest.raises(ValueError):
+            ext.sharp_attention_varlen(q, k, v, cu_q, cu_k, **kw)
+        return
+    check_varlen(q, k, v, cu_q, cu_k, **kw)
+
+
+@st.composite
+def kv_lens_cases(draw):
+    b = draw(st.integers(1, 3))
+    lk = draw(st.integers(0, 9))
+    lens = draw(st.lists(st.integers(-3, lk + 3), min_size=b, max_size=b))
+    if draw(st.booleans()):
+        lens = [min(max(x, 0), lk) for x in lens]  # valid
+    big = draw(st.sampled_from([None, 2**32, 2**31]))  # int64 values int32 would wrap
+    return dict(b=b, lk=lk, lens=lens, big=big, lq=draw(st.integers(1, 6)),
+                dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+                layout=draw(st.sampled_from(LAYOUTS)), filler=draw(st.sampled_from(FILLERS)),
+                causal=draw(st.booleans()), mask=draw(st.booleans()),
+                nv=draw(st.sampled_from([None, "tensor", "negative"])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kv_lens_cases())
+def test_fuzz_kv_lens_and_side_tensors(c):
+    g = make_gen(c["seed"])
+    b, lq, lk = c["b"], c["lq"], c["lk"]
+    q, k, v = make_qkv(b, 4, 2, lq, lk, 16, torch.float32, g)
+    lens = list(c["lens"])
+    if c["big"] is not None and c["dtype"] == torch.int64:
+        lens[0] += c["big"]  # wraps to a valid-looking int32 value if narrowed unchecked
+    kw = dict(causal=c["causal"], n_ref=4,
+              kv_lens=_as_view(lens, c["dtype"], c["layout"], c["filler"]))
+    valid = all(0 <= x <= lk for x in lens)
+    if c["mask"]:  # (Lk, Lq) storage viewed as (Lq, Lk): not contiguous along keys
+        kw["attn_mask"] = (torch.rand(lk, lq, generator=g) < 0.7).t()
+    if c["nv"] is not None:  # (Lq, Hq, B) storage viewed as (B, Hq, Lq)
+        lo = -2 if c["nv"] == "negative" else 0
+        nv = torch.randint(lo, 40, (lq, 4, b), generator=g).permute(2, 1, 0)
+        valid = valid and int(nv.min()) >= 0
+        kw["n_visible"] = nv
+    if not valid:
+        with pytest.raises(ValueError):
+            ext.sharp_attention(q, k, v, **kw)
+        return
+    check_dense(q, k, v, **kw)
+    assert torch.equal(ext.visible_counts(q, k, **{key: kw[key] for key in kw if key in (
+        "causal", "attn_mask", "kv_lens", "n_visible")}),
+        ref.visible_counts_ref(q, k, **{key: kw[key] for key in kw if key in (
+            "causal", "attn_mask", "kv_lens", "n_visible")}))
+
+
+def test_strided_cu_seqlens_of_the_issue():
+    """Issue 11: views with stride 2 were read as if contiguous (a floating point exception, a
+    segmentation fault, and a valid view rejected)."""
+    g = make_gen(11)
+    q, k = torch.randn(30, 4, 32, generator=g), torch.randn(50, 2, 32, generator=g)
+    ck = torch.tensor([0, 20, 50], dtype=torch.int32)
+    for raw in ([0, 10, 30, 99, 5], [0, 10, 30, 99, 4000]):
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            ext.sharp_attention_varlen(q, k, k, torch.tensor(raw, dtype=torch.int32)[::2], ck,
+                                       causal=True)
+    view = torch.tensor([0, 99, 10, 99, 30], dtype=torch.int32)[::2]  # [0, 10, 30]
+    check_varlen(q, k, k, view, ck, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward (issue 11: the output required grad, but backward left q.grad None)
+# ---------------------------------------------------------------------------------------------
+def _grads(fn, inputs, cotangents):
+    """d<outputs, cotangents>/d inputs by torch.autograd (inputs: leaves requiring grad)."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.double() * c).sum() for o, c in zip(outs, cotangents))
+    return torch.autograd.grad(loss, inputs)
+
+
+def test_backward_of_plain_attention_matches_sdpa():
+    """mode "none" is plain attention: its gradient is SDPA's (an independent implementation),
+    here in float64 with GQA and a bottom-right causal mask."""
+    g = make_gen(401)
+    q, k, v = make_qkv(2, 4, 2, 7, 12, 16, torch.float32, g)
+    go = torch.randn(2, 4, 7, 16, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = _grads(lambda q, k, v: ext.sharp_attention(q, k, v, causal=True, mode="none"),
+                 leaves, [go])
+    mask = torch.ones(7, 12, dtype=torch.bool).tril(12 - 7)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    want = _grads(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask),
+        leaves64, [go])
+    for name, a, b in zip("qkv", got, want):
+        assert a is not None and a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", [
+    dict(causal=True, slope=0.3, n_ref=4),
+    dict(attn_mask="tree", mode="exact_topk", topk=2, n_ref=6, contrast=2.0),
+    dict(kv_lens=[9, 0], causal=True, n_ref=3, beta_max=1.4),   # empty rows, upper clamp
+    dict(n_visible=[[[40], [1], [7], [3]]], slope="per_head", n_ref=5),
+], ids=["causal", "tree_exact_topk", "empty_rows", "n_visible_per_head"])
+def test_backward_matches_the_reference_gradient(case):
+    """The gradient of out and lse (q, k, v and a per-head slope tensor) is the float64
+    reference's, whose own autograd gradient is checked against finite differences."""
+    g = make_gen(stable_seed("bwd", case))
+    B, Hq, Hk, Lq, Lk, D = 2, 4, 2, 5, 9, 8
+    q, k, v = make_qkv(B, Hq, Hk, Lq, Lk, D, torch.float32, g)
+    kw = dict(case)
+    if kw.get("attn_mask") == "tree":
+        kw["attn_mask"] = tree_mask(Lq, Lk, g)
+    if "kv_lens" in kw:
+        kw["kv_lens"] = torch.tensor(kw["kv_lens"], dtype=torch.int32)
+    if "n_visible" in kw:
+        kw["n_visible"] = torch.tensor(kw["n_visible"])
+    slope = kw.pop("slope", 0.2)
+    inputs = [q, k, v]
+    if slope == "per_head":
+        inputs.append(torch.tensor([0.1, 0.25, 0.4, -0.2]))
+    go = torch.randn(B, Hq, Lq, D, generator=g, dtype=torch.float64)
+    gl = torch.randn(B, Hq, Lq, generator=g, dtype=torch.float64)
+
+    def call(fn, upcast=None):
+        extra = {} if upcast is None else dict(upcast=upcast)
+        def f(q, k, v, s=slope):
+            out, lse = fn(q, k, v, slope=s, return_lse=True, **kw, **extra)
+            # lse is -inf on empty rows: no gradient flows there, compare it as 0
+            return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        return f
+
+    got = _grads(call(ext.sharp_attention), [t.clone().requires_grad_() for t in inputs],
+                 [go, gl])
+    leaves64 = [t.double().requires_grad_() for t in inputs]
+    want = _grads(call(ref.sharp_attention_ref, upcast=True), leaves64, [go, gl])
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == inputs[i].dtype and torch.isfinite(a).all(), f"input {i}"
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=f"input {i}")
+    # the reference's autograd gradient is the derivative (finite differences, float64)
+    assert torch.autograd.gradcheck(
+        lambda *t: call(ref.sharp_attention_ref, upcast=True)(*t),
+        [t.double().requires_grad_() for t in inputs], eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_backward_varlen_matches_dense_per_sequence():
+    g = make_gen(402)
+    q, k, v, cu_q, cu_k = make_varlen_qkv([3, 0, 5], [4, 2, 7], 4, 2, 8, torch.float32, g)
+    go = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = _grads(lambda q, k, v: ext.sharp_attention_varlen(q, k, v, cu_q, cu_k, causal=True,
+                                                            n_ref=3), leaves, [go])
+    # per sequence: the dense reference on that sequence alone, in float64
+    want = [torch.zeros_like(t, dtype=torch.float64) for t in (q, k, v)]
+    for b in range(3):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        seq = [q[q0:q1], k[k0:k1], v[k0:k1]]
+        leaves64 = [t.double().transpose(0, 1)[None].requires_grad_() for t in seq]
+        grads = _grads(lambda q, k, v: ref.sharp_attention_ref(q, k, v, causal=True, n_ref=3),
+                       leaves64, [go[q0:q1].transpose(0, 1)[None]])
+        for w, gr, (lo, hi) in zip(want, grads, ((q0, q1), (k0, k1), (k0, k1))):
+            w[lo:hi] = gr[0].transpose(0, 1)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_query_scale_backward_to_per_head_slopes():
+    """d beta / d lambda_h = ln(n / n_ref) where beta is not clamped, 0 where it is."""
+    n = torch.tensor([[[1, 4096, 100], [8192, 2048, 0]]])  # (1, Hq=2, Lq=3)
+    slope = torch.tensor([0.2, 0.3], requires_grad=True)
+    beta = ext.query_scale(n, slope=slope, n_ref=2048)
+    beta.sum().backward()
+    want = [math.log(4096 / 2048), math.log(8192 / 2048)]  # clamped entries contribute 0
+    assert slope.grad.tolist() == pytest.approx(want, rel=1e-6)
