@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -65,6 +66,11 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     (["generate", "--threads", "0"], "--threads"),
     (["generate", "--draft-threshold", "1.5"], "--draft-threshold"),
     (["generate", "--temperature", "-1"], "--temperature"),
+    (["generate", "--temperature", "nan"], "--temperature"),
+    (["generate", "--temperature", "inf"], "--temperature"),
+    (["generate", "--slope", "nan"], "--slope"),
+    (["generate", "--slope", "inf"], "--slope"),
+    (["bench", "--slope", "-inf"], "--slope"),
     (["bench", "--lengths", "1024", "0"], "--lengths"),
     (["bench", "--maths", "-1"], "--maths"),
 ])
@@ -123,3 +129,124 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flag", ["--prompt-file", "--context-file"])
+def test_non_utf8_text_file_is_an_error_naming_the_file(tmp_path, capsys, flag):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait".encode("latin-1"))     # 0xe9: not UTF-8
+    with pytest.raises(SystemExit) as exc:                   # before any model is loaded
+        cli.main(["generate", flag, str(bad), "--target", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and flag in err and str(bad) in err and "UTF-8" in err
+
+
+def test_prompt_past_the_context_is_refused_before_the_drafter(checkpoint, monkeypatch):
+    """tiny target: max_position_embeddings 512; the prompt + 600 new tokens do not fit."""
+    from transformers import AutoTokenizer
+    prompt = "in the beginning god made the heaven and the earth"
+    n = len(AutoTokenizer.from_pretrained(checkpoint)(prompt).input_ids)
+    def no_drafter(*a, **k):
+        raise AssertionError("the drafter was loaded before the context check")
+    monkeypatch.setattr(cli, "build_drafter", no_drafter)
+    argv = ["generate", "--target", str(checkpoint), "--prompt", prompt, "--no-chat-template"]
+    with pytest.raises(ValueError, match=r"--max-new-tokens 600.*512") as exc:
+        cli.main(argv + ["--max-new-tokens", "600"])
+    assert f"{n + 600} positions" in str(exc.value)
+    assert f"--max-new-tokens {512 - n} or less" in str(exc.value)  # what would fit
+    monkeypatch.undo()
+    # exactly at the limit it runs
+    assert cli.main(argv + ["--max-new-tokens", str(512 - n), "--json", "--threads", "1"]) == 0
+
+
+def _saved_drafter(tmp_path, name, make, target, edit=None):
+    folder = tmp_path / name
+    make(target).save(folder)
+    if edit:
+        cfg = json.loads((folder / "config.json").read_text())
+        edit(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _other_target(vocab=300, hidden=32, layers=8):
+    """A random Llama unlike tiny_target (4 layers, width 64, vocabulary 256)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(5)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512)).eval()
+
+
+@pytest.mark.parametrize("kind,edit,fields", [
+    ("dflash", lambda c: c.update(target_layer_ids=[1, 45]), ["target_layer_ids", "45"]),
+    ("dflash", lambda c: c.update(mask_token_id=10_000), ["mask_token_id"]),
+    ("eagle3", lambda c: c.update(target_layer_ids=[0, 2, 4]), ["target_layer_ids", "[4]"]),
+], ids=["dflash_layer", "dflash_mask_token", "eagle3_layer"])
+def test_drafter_checkpoint_with_fields_outside_the_target(tmp_path, kind, edit, fields):
+    """tiny target: 4 layers (0 .. 3), vocabulary 256."""
+    from sharpdraft_helpers import tiny_drafter, tiny_eagle3
+    target = tiny_target()
+    make = {"dflash": tiny_drafter, "eagle3": tiny_eagle3}[kind]
+    folder = _saved_drafter(tmp_path, kind, make, target, edit)
+    drafter_cls = cli.DRAFTERS[kind]
+    assert drafter_cls.load(folder) is not None            # loads without a target
+    with pytest.raises(ValueError, match=str(folder)) as exc:
+        drafter_cls.load(folder, target=target)
+    for f in fields:
+        assert f in str(exc.value)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "pard"])
+def test_drafter_checkpoint_for_another_target(tmp_path, kind):
+    """A drafter of a width-32, 8-layer, 300-token target against tiny_target (width 64, 4
+    layers, 256 tokens): every mismatching field is named; on its own target it loads."""
+    from sharpdraft_helpers import tiny_drafter, tiny_pard
+    other = _other_target()
+    from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    make = {"dflash": tiny_drafter,
+            "eagle3": lambda t: Eagle3Drafter(Eagle3Config.from_target(t.config, [1, 5, 7])),
+            "pard": lambda t: tiny_pard(t, draft_vocab_size=280)}[kind]
+    drafter = make(other)
+    if kind == "pard":
+        drafter.set_draft_vocab(torch.arange(20, 300))
+    folder = tmp_path / kind
+    drafter.save(folder)
+    with pytest.raises(ValueError, match=str(folder)) as exc:
+        cli.DRAFTERS[kind].load(folder, target=tiny_target())
+    msg = str(exc.value)
+    want = {"dflash": ["hidden_size is 32", "target_hidden_size is 32", "target_layer_ids"],
+            "eagle3": ["hidden_size is 32", "target_hidden_size is 32", "[5, 7]"],
+            "pard": ["hidden_size is 32", "draft_vocab_size is 280"]}[kind]
+    for w in want:
+        assert w in msg, (w, msg)
+    cli.DRAFTERS[kind].load(folder, target=other).check_target(other)
+
+
+@pytest.mark.parametrize("saved,loaded", [("eagle3", "dflash"), ("dflash", "pard"),
+                                          ("pard", "eagle3")])
+def test_checkpoint_of_another_drafter_kind(tmp_path, saved, loaded):
+    from sharpdraft_helpers import tiny_drafter, tiny_eagle3, tiny_pard
+    target = tiny_target()
+    make = {"dflash": tiny_drafter, "eagle3": tiny_eagle3, "pard": tiny_pard}[saved]
+    folder = _saved_drafter(tmp_path, saved, make, target)
+    with pytest.raises(ValueError, match=str(folder)) as exc:
+        cli.DRAFTERS[loaded].load(folder, target=target)
+    assert cli.DRAFTERS[loaded].config_class.__name__ in str(exc.value)
+    if (saved, loaded) == ("eagle3", "dflash"):  # the issue's TypeError about norm_features
+        assert "norm_features" in str(exc.value) and "mask_token_id" in str(exc.value)
+
+
+def test_cli_checks_the_drafter_checkpoint_against_the_target(checkpoint, tmp_path):
+    from sharpdraft_helpers import tiny_eagle3
+    folder = _saved_drafter(tmp_path, "eagle3", tiny_eagle3, tiny_target(),
+                            lambda c: c.update(target_layer_ids=[0, 2, 45]))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
+                  "--no-chat-template", "--drafter", "eagle3", "--drafter-path", str(folder),
+                  "--max-new-tokens", "4"])
+    with pytest.raises(ValueError, match="DFlashConfig"):
+        cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
+                  "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
+                  "--max-new-tokens", "4"])

@@ -85,10 +85,15 @@ def untrained_drafter(kind: str, target, tokenizer, args):
 
 def build_drafter(target, tokenizer, args):
     """Load --drafter-path (default: the shipped checkpoint of --drafter for the default
-    target), or build an untrained drafter of that kind for this target (seeded)."""
+    target), or build an untrained drafter of that kind for this target (seeded).
+
+    Raises:
+        ValueError: the checkpoint is of another drafter kind or does not fit the target (the
+            message names the checkpoint folder and the config field).
+    """
     path = default_drafter_path(args)
-    if path is not None:
-        drafter = DRAFTERS[args.drafter].load(path)
+    if path is not None:  # checked against its kind and the target (ValueError naming both)
+        drafter = DRAFTERS[args.drafter].load(path, target=target)
     else:
         drafter = untrained_drafter(args.drafter, target, tokenizer, args)
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
@@ -100,6 +105,25 @@ def build_drafter(target, tokenizer, args):
     return drafter.to(dtype=target.dtype)
 
 
+def check_context(target, prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
+    """Refuse a run whose prompt + --max-new-tokens exceeds the target's context (its
+    max_position_embeddings): past it, RoPE positions were never trained and decoding degrades.
+
+    Raises:
+        ValueError naming --max-new-tokens, the positions needed and the model's limit.
+    """
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is None or prompt_tokens + max_new_tokens <= limit:
+        return
+    room = limit - prompt_tokens
+    hint = (f"use --max-new-tokens {room} or less" if room >= 1 else
+            "shorten the prompt / context")
+    raise ValueError(f"--max-new-tokens {max_new_tokens}: the {what} ({prompt_tokens} tokens) "
+                     f"plus {max_new_tokens} new tokens need {prompt_tokens + max_new_tokens} "
+                     f"positions, more than the target's context of {limit} "
+                     f"(max_position_embeddings); {hint}")
+
+
 def _run(label: str, fn, total: int) -> GenerationResult:
     with tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False) as bar:
         return fn(progress=bar.update)
@@ -107,12 +131,14 @@ def _run(label: str, fn, total: int) -> GenerationResult:
 
 def cmd_bench(args) -> dict:
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    prompts = build_prompts(tokenizer, args.lengths, args.maths)
+    for p in prompts:
+        check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
     drafter = build_drafter(target, tokenizer, args)
     if args.drafter == "eagle3":
         variants = {"eagle3-chain": (drafter, False), "eagle3-tree": (drafter, True)}
     else:
         variants = {args.drafter: (drafter, False)}
-    prompts = build_prompts(tokenizer, args.lengths, args.maths)
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
                      Path(args.out), draft_threshold=args.draft_threshold)
     print((Path(args.out) / "bench.md").read_text())
@@ -122,17 +148,13 @@ def cmd_bench(args) -> dict:
 
 def cmd_generate(args) -> dict:
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
-    if args.prompt is not None:
-        prompt = args.prompt
-    elif args.prompt_file is not None:
-        prompt = open(args.prompt_file).read()
-    else:
-        prompt = KJV_TASK
+    prompt = args.prompt_text if args.prompt_text is not None else KJV_TASK
     if args.kjv_context is not None:
         context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
     else:
-        context = open(args.context_file).read() if args.context_file else None
+        context = args.context_text
     ids = build_prompt(tokenizer, prompt, context, not args.no_chat_template)
+    check_context(target, ids.shape[1], args.max_new_tokens)
     drafter = build_drafter(target, tokenizer, args)
     gen = torch.Generator().manual_seed(args.seed)
     common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id, generator=gen)
@@ -233,6 +255,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_text(p: argparse.ArgumentParser, flag: str, path: str) -> str:
+    """The UTF-8 text of `path`, or an argparse error naming the flag and the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        p.error(f"{flag} {path}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                f"{err.start}); convert it, e.g. iconv -f latin1 -t utf-8")
+    except OSError as err:
+        p.error(f"{flag} {path}: cannot read it ({err.strerror or err})")
+
+
 def _validate(top: argparse.ArgumentParser, args) -> None:
     """Reject bad option values before any model is loaded (argparse error of the subcommand,
     exit code 2)."""
@@ -252,8 +285,17 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
         p.error("--draft-threshold applies to chain drafting, not --tree")
     if getattr(args, "block_size", 2) < 2:
         p.error(f"--block-size must be >= 2, got {args.block_size}")
+    for name in ("slope", "temperature"):  # float("nan") / "inf" parse: refuse them here
+        v = getattr(args, name, None)
+        if v is not None and not math.isfinite(v):
+            p.error(f"--{name} must be a finite number, got {v}")
     if getattr(args, "temperature", 0.0) < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.command == "generate":  # read the text files now: a bad one fails before any work
+        args.prompt_text = (args.prompt if args.prompt_file is None
+                            else _read_text(p, "--prompt-file", args.prompt_file))
+        args.context_text = (None if args.context_file is None
+                             else _read_text(p, "--context-file", args.context_file))
     if args.command == "bench":
         if args.maths < 0:
             p.error(f"--maths must be >= 0, got {args.maths}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -66,6 +66,22 @@ def check_config(config, minimums: dict) -> None:
     if config.draft_vocab_size is not None and config.draft_vocab_size < 2:
         raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
                          f"{config.draft_vocab_size}")
+
+
+def feature_layer_problems(config, target_config) -> List[str]:
+    """What keeps a drafter that reads the target's hidden states (`target_hidden_size`-wide
+    outputs of the decoder layers `target_layer_ids`) from reading those of this target; the
+    DFlash and EAGLE-3 hooks of `Drafter.target_problems` call it."""
+    problems = []
+    if config.target_hidden_size != target_config.hidden_size:
+        problems.append(f"target_hidden_size is {config.target_hidden_size}, the target's "
+                        f"hidden_size is {target_config.hidden_size}")
+    layers = target_config.num_hidden_layers
+    bad = [i for i in config.target_layer_ids if not 0 <= i < layers]
+    if bad:
+        problems.append(f"target_layer_ids {list(config.target_layer_ids)} name layer(s) {bad}, "
+                        f"the target has {layers} decoder layers (0 .. {layers - 1})")
+    return problems
 
 
 class HeadProjections(nn.Module):
@@ -150,6 +166,43 @@ class Drafter(nn.Module):
                                float("-inf"))
         return full.index_copy_(1, self.d2t, logits)
 
+    # ----- fitting a target -------------------------------------------------------------------
+    def target_problems(self, target) -> List[str]:
+        """Why this drafter cannot draft for `target` (a transformers causal LM), one line per
+        config field; empty when it can. The base checks what every drafter borrows from the
+        target (token embeddings and LM head: hidden_size, the draft vocabulary); a drafter
+        extends it with its own fields."""
+        c, t = self.config, target.config
+        problems = []
+        if c.hidden_size != t.hidden_size:
+            problems.append(f"hidden_size is {c.hidden_size}, the target's hidden_size is "
+                            f"{t.hidden_size} (the drafter uses the target's token embeddings "
+                            f"and LM head)")
+        vocab = target.get_output_embeddings().weight.shape[0]
+        if self.d2t is not None:
+            if self.d2t.numel() > vocab:
+                problems.append(f"draft_vocab_size is {self.d2t.numel()}, larger than the "
+                                f"target's vocabulary of {vocab} tokens")
+            elif self.d2t.numel() and not 0 <= int(self.d2t.min()) <= int(self.d2t.max()) < vocab:
+                problems.append(f"the draft vocabulary (d2t) maps to target token ids up to "
+                                f"{int(self.d2t.max())}, the target's vocabulary has {vocab} "
+                                f"tokens")
+        return problems
+
+    def check_target(self, target, checkpoint=None) -> None:
+        """Check that this drafter can draft for `target` (see `target_problems`).
+
+        Raises:
+            ValueError naming the checkpoint folder (when given) and every mismatching field.
+        """
+        problems = self.target_problems(target)
+        if problems:
+            where = (f"drafter checkpoint {checkpoint}" if checkpoint is not None
+                     else f"this {type(self).__name__}")
+            raise ValueError(f"{where} does not fit the target "
+                             f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
+                             + "; ".join(problems))
+
     # ----- checkpoints ------------------------------------------------------------------------
     def save(self, folder) -> None:
         """Write config.json and model.safetensors (the drafter's own weights) to `folder`."""
@@ -160,17 +213,59 @@ class Drafter(nn.Module):
                   str(folder / WEIGHTS_FILE))
 
     @classmethod
-    def load(cls, folder, sharp=None, device: Optional[torch.device] = None):
+    def read_config(cls, folder):
+        """The `config_class` instance of a checkpoint folder's config.json.
+
+        Raises:
+            ValueError naming the folder: config.json is not a config of this drafter kind
+                (unknown or missing fields, e.g. a checkpoint of another kind) or holds an
+                invalid value.
+        """
+        kind = cls.config_class.__name__
+        raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} must hold a JSON "
+                             f"object of {kind} fields")
+        fields = dataclasses.fields(cls.config_class)
+        names = {f.name for f in fields}
+        required = {f.name for f in fields if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING}
+        unknown, missing = sorted(set(raw) - names), sorted(required - set(raw))
+        if unknown or missing:
+            parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + (
+                [f"missing field(s) {', '.join(missing)}"] if missing else [])
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not a {kind} "
+                             f"({'; '.join(parts)}): a checkpoint of another drafter kind?")
+        try:
+            return cls.config_class(**raw)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE}: {err}") from err
+
+    @classmethod
+    def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None):
         """Build a drafter from a folder written by `save`.
+
+        Args:
+            target: the target model it will draft for; when given the drafter is checked
+                against it (`check_target`) before it is returned.
 
         Raises:
             FileNotFoundError: `folder` lacks config.json or model.safetensors.
+            ValueError naming the folder: config.json is not of this drafter kind or invalid
+                (`read_config`), the weights do not match it, or the drafter does not fit
+                `target` (naming each mismatching field).
         """
         folder = Path(folder)
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (folder / name).exists():
                 raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
-        config = cls.config_class(**json.loads((folder / CONFIG_FILE).read_text()))
-        model = cls(config, sharp)
-        model.load_state_dict(load_file(str(folder / WEIGHTS_FILE), device=str(device or "cpu")))
+        model = cls(cls.read_config(folder), sharp)
+        try:
+            model.load_state_dict(load_file(str(folder / WEIGHTS_FILE),
+                                            device=str(device or "cpu")))
+        except RuntimeError as err:
+            raise ValueError(f"drafter checkpoint {folder}: {WEIGHTS_FILE} does not match its "
+                             f"{CONFIG_FILE}: {err}") from err
+        if target is not None:
+            model.check_target(target, checkpoint=folder)
         return model.eval()

@@ -25,8 +25,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import (Drafter, HeadProjections, check_config, draw_rows, llama_config,
-                   target_geometry)
+from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
+                   llama_config, target_geometry)
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -269,6 +269,17 @@ class DFlashDrafter(Drafter):
         return self.to_target_vocab(target, self.head(target, h[0, 1:]))
 
     # ----- inference sessions (see drafters.base) --------------------------------------------
+    def target_problems(self, target) -> List[str]:
+        """The base checks, the target features read (target_hidden_size, target_layer_ids)
+        and the mask token (an id of the target's vocabulary)."""
+        problems = super().target_problems(target) + feature_layer_problems(self.config,
+                                                                            target.config)
+        vocab = target.get_input_embeddings().weight.shape[0]
+        if not 0 <= self.config.mask_token_id < vocab:
+            problems.append(f"mask_token_id is {self.config.mask_token_id}, outside the "
+                            f"target's vocabulary of {vocab} tokens")
+        return problems
+
     @property
     def max_drafts(self) -> int:
         return self.config.block_size - 1

@@ -35,8 +35,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import (Drafter, HeadProjections, check_config, crop_to, llama_config,
-                   target_geometry)
+from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
+                   llama_config, target_geometry)
 
 
 @dataclass
@@ -217,6 +217,11 @@ class Eagle3Drafter(Drafter):
         return out
 
     # ----- inference sessions (see drafters.base) --------------------------------------------
+    def target_problems(self, target) -> List[str]:
+        """The base checks and the fused target features (target_hidden_size, target_layer_ids)."""
+        return super().target_problems(target) + feature_layer_problems(self.config,
+                                                                        target.config)
+
     @property
     def max_drafts(self) -> int:
         return self.config.chain_length
