@@ -68,7 +68,9 @@ class ScriptedTreeDrafter(Eagle3Drafter):
                 return DraftTree(tokens, parents, depths)
 
             def commit(self, accepted, hidden_states):
-                assert hidden_states[0].shape[1] == len(accepted)   # only the path's rows
+                # only the path's rows, of the layers the drafter reads
+                assert sorted(hidden_states) == outer.hidden_layers
+                assert all(h.shape[1] == len(accepted) for h in hidden_states.values())
 
         return Session()
 
@@ -94,11 +96,15 @@ def test_tree_rows_see_the_prefix_and_their_ancestors(target, monkeypatch):
 
     def step(embeds, hidden, positions, cache, attn_mask=None):
         seen.append({"positions": positions.clone()})
-        return real_step(embeds, hidden, positions, cache, attn_mask)
+        try:
+            return real_step(embeds, hidden, positions, cache, attn_mask)
+        finally:
+            seen[-1]["done"] = True
 
     def attn(q, k, v, **kw):
-        seen[-1]["n"] = ext.visible_counts(q, k, causal=kw.get("causal", False),
-                                           attn_mask=kw.get("attn_mask"))
+        if seen and "done" not in seen[-1]:          # the drafter's calls, not the target's
+            seen[-1]["n"] = ext.visible_counts(q, k, causal=kw.get("causal", False),
+                                               attn_mask=kw.get("attn_mask"))
         return real_attn(q, k, v, **kw)
 
     monkeypatch.setattr(drafter, "step", step)

@@ -1,4 +1,5 @@
 """Speculative decoding engine: greedy token identity, lossless sampling, statistics."""
+import copy
 import math
 
 import pytest
@@ -10,9 +11,21 @@ from sharpdraft.engine import _verify, autoregressive_generate, speculative_gene
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 
+def pristine(target):
+    """An independent copy of `target`: same weights, transformers' own SDPA attention and
+    nn.Linear layers (the engine prepares `target` in place for its runtime)."""
+    config = copy.deepcopy(target.config)
+    config._attn_implementation = "sdpa"
+    config.sharp_config = None
+    twin = type(target)(config).eval()
+    twin.load_state_dict(target.state_dict())
+    return twin
+
+
 def hf_greedy(target, prompt, n):
-    """The independent oracle: transformers' own greedy generate."""
-    out = target.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    """The independent oracle: transformers' own greedy generate on a pristine copy."""
+    out = pristine(target).generate(prompt, max_new_tokens=n, do_sample=False,
+                                    min_new_tokens=n)
     return out[0, prompt.shape[1]:].tolist()
 
 

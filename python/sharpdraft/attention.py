@@ -123,10 +123,32 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.transpose(1, 2).contiguous(), None
 
 
+def sharp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+               mask_function=None, attention_mask: Optional[torch.Tensor] = None,
+               allow_is_causal_skip: bool = True, **kwargs) -> Optional[torch.Tensor]:
+    """transformers mask-interface function for "sharp": None where the mask would be plain
+    causal with the queries on the last keys (no padding, no window, no custom pattern), since
+    the kernel's bottom-right `causal=True` is then the same mask and needs no tensor; else the
+    SDPA-style boolean mask (True = visible)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = mask_function or causal_mask_function
+    plain = (allow_is_causal_skip and mask_function is causal_mask_function
+             and kwargs.get("local_size") is None and not isinstance(q_offset, torch.Tensor)
+             and q_offset + q_length == kv_offset + kv_length)
+    if plain and (attention_mask is None or (attention_mask.shape[-1] >= kv_offset + kv_length
+                                             and bool(attention_mask.all()))):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip,
+                     **kwargs)
+
+
 def register(name: str = "sharp") -> None:
-    """Register `sharp_attention_forward` (and SDPA-style boolean masks) under `name`."""
+    """Register `sharp_attention_forward` and its mask function `sharp_mask` under `name`."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(name, sharp_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sharp_mask)

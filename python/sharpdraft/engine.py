@@ -21,18 +21,28 @@ drafter, so both modes stay lossless, and verifying fewer tokens makes a verific
 cheaper where its cost grows with its length (CPUs).
 
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
-forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The prefill forward (which commits the
-first token) is counted in `target_forwards` but not in tau.
+forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The
+prefill forward (which commits the first token) is counted in `target_forwards` but not in tau.
+Times: the prefill (prompt forward + first token) is timed apart from the decode that follows,
+and the decode's drafting and verification apart from each other (SPEC section 7: speedup and
+decode speedup).
+
+Every loop runs the target through one `sharpdraft.runtime.TargetRuntime` (preallocated KV
+cache, the sharp kernel with mode "none", logits and hidden states only where used, prepacked
+linear layers), sized for prompt + max_new_tokens + the largest draft and refused, before any
+work, when that exceeds the target's max_position_embeddings.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-from transformers import DynamicCache
+
+from .runtime import TargetRuntime
 
 
 @dataclass
@@ -43,7 +53,8 @@ class GenerationResult:
     forwards, the prefill included. accept_lengths: tokens committed by each verification forward.
     context_lengths: the committed length before each verification. draft_lengths: drafts
     verified by each verification forward. wall_s: wall time of the whole generation (prefill
-    included).
+    included). prefill_s: the prompt forward and the first token. draft_s / verify_s: seconds
+    spent drafting / in target verification forwards (with their acceptance) after the prefill.
     """
 
     tokens: List[int]
@@ -54,6 +65,9 @@ class GenerationResult:
     accept_lengths: List[int] = field(default_factory=list)
     context_lengths: List[int] = field(default_factory=list)
     draft_lengths: List[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def new_tokens(self) -> int:
@@ -68,7 +82,26 @@ class GenerationResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """End to end: new tokens / wall_s (prefill included)."""
         return self.new_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def decode_s(self) -> float:
+        return max(0.0, self.wall_s - self.prefill_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second of decoding (1 / TPOT; prefill excluded)."""
+        n = self.new_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+    @property
+    def steps(self) -> int:
+        """Decode forwards after the prefill (verifications; AR: one per token)."""
+        return self.target_forwards - 1
+
+    def _per_step_ms(self, seconds: float) -> float:
+        return 1e3 * seconds / self.steps if self.steps else float("nan")
 
     def acceptance_by_position(self) -> List[float]:
         """Entry j - 1: the fraction of verification steps that accepted at least j drafts.
@@ -88,15 +121,21 @@ class GenerationResult:
         return {f"{lo}-{lo + bucket - 1}": sum(v) / len(v) for lo, v in sorted(groups.items())}
 
     def summary(self) -> dict:
-        """JSON-ready statistics (no text)."""
-        return {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+        """JSON-ready statistics (no text); undefined rates (NaN) are None."""
+        out = {"prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "target_forwards": self.target_forwards, "tau": self.tau,
                 "acceptance_by_position": self.acceptance_by_position(),
                 "tau_by_context": self.tau_by_context(),
                 "mean_draft_length": (sum(self.draft_lengths) / len(self.draft_lengths)
                                       if self.draft_lengths else 0.0),
                 "wall_s": self.wall_s,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s,
+                "prefill_s": self.prefill_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s,
+                "draft_ms_per_step": self._per_step_ms(self.draft_s),
+                "verify_ms_per_step": self._per_step_ms(self.verify_s)}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in out.items()}
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -110,14 +149,24 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
     return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
 
 
-def _check(prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float):
+def _check(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+           extra: int = 0) -> int:
+    """Validate the common arguments; returns the cache capacity the generation needs
+    (prompt + max_new_tokens + `extra` rows a verification may add beyond the committed ones)."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must have shape (1, L) with L >= 1 (batch size 1), got "
                          f"{tuple(prompt_ids.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    capacity = prompt_ids.shape[1] + max_new_tokens + extra
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: the prompt ({prompt_ids.shape[1]} tokens) + "
+                         f"max_new_tokens ({max_new_tokens}) exceed the target's context of "
+                         f"{limit} positions (max_position_embeddings)")
+    return capacity
 
 
 class _Progress:
@@ -136,34 +185,45 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
                             temperature: float = 0.0, eos_token_id: Optional[int] = None,
                             generator: Optional[torch.Generator] = None,
                             progress=None) -> GenerationResult:
-    """Target-only decoding, one token per forward over a DynamicCache (the baseline).
+    """Target-only decoding, one token per forward (the baseline), on the same
+    `TargetRuntime` as the speculative loops.
 
     Args:
-        target: a transformers causal LM.
+        target: a transformers causal LM (prepared for the runtime on first use, see
+            `sharpdraft.runtime.prepare_target`).
         prompt_ids: (1, L) int64 token ids.
         max_new_tokens: stop after this many tokens (>= 1).
         temperature: 0 = greedy, else sampling from softmax(logits / temperature).
         eos_token_id: stop after committing this token.
         generator: torch.Generator for sampling.
         progress: optional callable(n) told of every n newly committed tokens.
+
+    Raises:
+        ValueError: prompt_ids not (1, L), max_new_tokens < 1, temperature negative or not
+            finite, or prompt + max_new_tokens beyond the target's max_position_embeddings.
     """
-    _check(prompt_ids, max_new_tokens, temperature)
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature)
+    runtime = TargetRuntime(target)
     tick = _Progress(progress)
     start = time.perf_counter()
-    cache = DynamicCache()
-    out = target(input_ids=prompt_ids, cache=cache, use_cache=True)
+    runtime.start(capacity)
+    logits = runtime.forward(prompt_ids, last_only=True).logits[-1]
     tokens: List[int] = []
-    forwards = 1
+    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0)
     while True:
-        tok = _pick(out.logits[0, -1], temperature, generator)
+        tok = _pick(logits, temperature, generator)
         tokens.append(tok)
+        if len(tokens) == 1:
+            result.prefill_s = time.perf_counter() - start
         tick(1)
         if tok == eos_token_id or len(tokens) >= max_new_tokens:
             break
         ids = torch.tensor([[tok]], device=prompt_ids.device)
-        out = target(input_ids=ids, cache=cache, use_cache=True)
-        forwards += 1
-    return GenerationResult(tokens, prompt_ids.shape[1], forwards, time.perf_counter() - start)
+        logits = runtime.forward(ids).logits[-1]
+        result.target_forwards += 1
+    result.wall_s = time.perf_counter() - start
+    result.verify_s = result.wall_s - result.prefill_s
+    return result
 
 
 def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.Tensor],
@@ -172,21 +232,20 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
 
     p_logits: (len(drafts) + 1, vocab), row j the target's logits for the slot of drafts[j]
     (the last row gives the bonus token). q_probs: (len(drafts), vocab) drafter probabilities
-    (None at temperature 0).
+    (None at temperature 0). Greedy acceptance is one vectorised comparison (one host sync).
     """
+    if temperature == 0:
+        best = p_logits.argmax(-1).tolist()
+        n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
+        return list(drafts[:n]) + [best[n]]
     out: List[int] = []
     for j, d in enumerate(drafts):
-        if temperature == 0:
-            best = int(p_logits[j].argmax())
-            if best != d:
-                return out + [best]
-        else:
-            p = _probs(p_logits[j], temperature)
-            q = q_probs[j]
-            u = torch.rand((), generator=generator, device=p.device)
-            if not u * q[d] <= p[d]:  # reject with probability 1 - min(1, p/q)
-                residual = (p - q).clamp_min(0)   # positive somewhere since p[d] < q[d]
-                return out + [int(torch.multinomial(residual, 1, generator=generator))]
+        p = _probs(p_logits[j], temperature)
+        q = q_probs[j]
+        u = torch.rand((), generator=generator, device=p.device)
+        if not u * q[d] <= p[d]:  # reject with probability 1 - min(1, p/q)
+            residual = (p - q).clamp_min(0)   # positive somewhere since p[d] < q[d]
+            return out + [int(torch.multinomial(residual, 1, generator=generator))]
         out.append(d)
     return out + [_pick(p_logits[len(drafts)], temperature, generator)]
 
@@ -230,23 +289,25 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     Returns:
         GenerationResult with accept_lengths / context_lengths of every verification forward.
     """
-    _check(prompt_ids, max_new_tokens, temperature)
     if not 0.0 <= draft_threshold <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
+    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
     tick = _Progress(progress)
-    hidden = drafter.needs_hidden_states
     dev = prompt_ids.device
     start = time.perf_counter()
-    cache = DynamicCache()
-    out = target(input_ids=prompt_ids, cache=cache, use_cache=True, output_hidden_states=hidden)
-    session = drafter.start(target, prompt_ids, out.hidden_states if hidden else None)
-    last = _pick(out.logits[0, -1], temperature, generator)
+    runtime.start(capacity)
+    out = runtime.forward(prompt_ids, last_only=True)
+    session = drafter.start(target, prompt_ids, out.hidden)
+    last = _pick(out.logits[-1], temperature, generator)
     tokens = [last]
     tick(1)
     result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
                               block_size=drafter.max_drafts + 1)
+    result.prefill_s = time.perf_counter() - start
     while last != eos_token_id and len(tokens) < max_new_tokens:
-        committed = cache.get_seq_length()        # = position of `last`
+        t0 = time.perf_counter()
+        committed = runtime.length                  # = position of `last`
         drafts, d_logits = session.propose(last, committed,
                                            lambda row: _pick(row, temperature, generator))
         q_probs = None if temperature == 0 else _probs(d_logits, temperature)
@@ -256,27 +317,20 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
             n_draft = max(1, int(low[0, 0])) if len(low) else len(drafts)
             drafts = drafts[:n_draft]
             q_probs = None if q_probs is None else q_probs[:n_draft]
+        t1 = time.perf_counter()
         ids = torch.tensor([[last] + drafts], device=dev)
-        out = target(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=hidden)
+        out = runtime.forward(ids)
         result.target_forwards += 1
-        accepted = _verify(out.logits[0], drafts, q_probs, temperature, generator)
-        n_acc = len(accepted) - 1                # drafts accepted
-        if n_acc < len(drafts):                   # roll back past the first rejection
-            cache.crop(-(len(drafts) - n_acc))
-        session.commit(accepted, out.hidden_states if hidden else None)
+        accepted = _verify(out.logits, drafts, q_probs, temperature, generator)
+        runtime.crop(committed + len(accepted))     # roll back past the first rejection
+        t2 = time.perf_counter()
+        session.commit(accepted, out.hidden)
+        result.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        result.verify_s += t2 - t1
         last = _record_step(result, accepted, len(drafts), committed, eos_token_id,
                             max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
     return result
-
-
-def _keep_cache_rows(cache: DynamicCache, start: int, rows: List[int]) -> None:
-    """Keep entries [0, start) and then start + rows (in that order) of every cache layer."""
-    for layer in cache.layers:
-        idx = torch.tensor(list(range(start)) + [start + r for r in rows],
-                           device=layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
 
 
 def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> tuple:
@@ -336,37 +390,44 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     Raises:
         ValueError: as `speculative_generate`, or a drafter that does not draft trees.
     """
-    _check(prompt_ids, max_new_tokens, temperature)
     if not getattr(drafter, "drafts_trees", False):
         raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
                          f"does); use speculative_generate")
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature,
+                      drafter.config.tree_tokens + 1)
+    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
     tick = _Progress(progress)
     dev = prompt_ids.device
     start = time.perf_counter()
-    cache = DynamicCache()
-    out = target(input_ids=prompt_ids, cache=cache, use_cache=True, output_hidden_states=True)
-    session = drafter.start(target, prompt_ids, out.hidden_states)
-    last = _pick(out.logits[0, -1], temperature, generator)
+    runtime.start(capacity)
+    out = runtime.forward(prompt_ids, last_only=True)
+    session = drafter.start(target, prompt_ids, out.hidden)
+    last = _pick(out.logits[-1], temperature, generator)
     tokens = [last]
     tick(1)
     result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
                               block_size=drafter.config.tree_depth + 1)
+    result.prefill_s = time.perf_counter() - start
     while last != eos_token_id and len(tokens) < max_new_tokens:
-        committed = cache.get_seq_length()
+        t0 = time.perf_counter()
+        committed = runtime.length
         tree = session.propose_tree(last, committed)
+        t1 = time.perf_counter()
         n = len(tree)
         mask = torch.zeros(1 + n, committed + 1 + n, dtype=torch.bool, device=dev)
         mask[:, :committed + 1] = True
         mask[1:, committed + 1:] = tree.mask(dev)
         pos = torch.tensor([[committed] + [committed + d for d in tree.depths]], device=dev)
         ids = torch.tensor([[last] + tree.tokens], device=dev)
-        out = target(input_ids=ids, attention_mask=mask[None, None], position_ids=pos,
-                     cache=cache, use_cache=True, output_hidden_states=True)
+        out = runtime.forward(ids, attention_mask=mask[None, None], position_ids=pos)
         result.target_forwards += 1
-        path, accepted = verify_tree(out.logits[0], tree, temperature, generator)
-        _keep_cache_rows(cache, committed + 1, path)
+        path, accepted = verify_tree(out.logits, tree, temperature, generator)
+        runtime.keep(committed + 1, path)
+        t2 = time.perf_counter()
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)
-        session.commit(accepted, tuple(h.index_select(1, rows) for h in out.hidden_states))
+        session.commit(accepted, {i: h.index_select(1, rows) for i, h in out.hidden.items()})
+        result.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        result.verify_s += t2 - t1
         last = _record_step(result, accepted, n, committed, eos_token_id, max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
     return result

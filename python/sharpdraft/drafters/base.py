@@ -12,6 +12,10 @@ implements `start(target, prompt_ids, hidden_states)`, which returns a draft ses
         committed after `last` (accepted drafts, then the target's own token), `hidden_states`
         the target's hidden states of the verification rows ([last] + drafts), or None when the
         drafter does not read them (`needs_hidden_states` False).
+
+`hidden_states` maps an index of transformers' output_hidden_states (0 = embeddings, l + 1 =
+decoder layer l's output) to a (1, rows, hidden) tensor; it holds the indices listed by the
+drafter's `hidden_layers` (a full output_hidden_states tuple also works).
 """
 from __future__ import annotations
 
@@ -125,6 +129,15 @@ class Drafter(nn.Module):
     config_class = None
     needs_hidden_states = True
     drafts_trees = False          # sessions also have propose_tree (tree_speculative_generate)
+
+    @property
+    def hidden_layers(self) -> list:
+        """Indices of the target hidden states the drafter reads, numbered as transformers'
+        output_hidden_states (layer l's output is index l + 1): what the target runtime
+        captures; empty when `needs_hidden_states` is False."""
+        if not self.needs_hidden_states:
+            return []
+        return [i + 1 for i in self.config.target_layer_ids]
 
     def _init_draft_vocab(self, draft_vocab_size: Optional[int]) -> None:
         if draft_vocab_size is not None:  # draft id -> target id (set by training)

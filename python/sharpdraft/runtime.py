@@ -1,0 +1,355 @@
+"""The target runtime: one Hugging Face causal LM run at its hardware floor for speculative decoding.
+
+The autoregressive baseline, the chain loop and the tree loop all run the target through a
+`TargetRuntime`, which keeps the Hugging Face modules (any causal LM with a standard decoder) and
+changes only what costs time without changing the maths:
+
+- KV cache: `PreallocatedCache`, one buffer per layer sized for the whole generation (prompt +
+  new tokens + the largest draft). A forward writes its rows in place and the attention reads a
+  view of the first `length` rows; cropping moves the length; a tree's accepted path is an
+  in-place gather. No per-step concatenation.
+- Attention: `sharpdraft_ext.sharp_attention` with mode "none" (the target's own attention is
+  never scaled), GQA read natively. A chain verification or a decode step is bottom-right causal
+  with no mask tensor (the "sharp" mask function returns None where the mask would be plain
+  causal); a tree verification passes its boolean mask.
+- Logits only where they are used (the last row at prefill), and hidden states only of the
+  target layers the drafter reads (forward hooks, no 31-layer tuple).
+- Linear layers: `PackedLinear`, which keeps each `nn.Linear`'s parameters and adds a weight
+  prepacked by oneDNN; for each weight shape and for one row (decode) or several (verification)
+  it uses whichever of the two is faster, as measured on this machine when the runtime is set
+  up (`plan_linears`). The packed path is float32/bfloat16 on CPU; autograd, other devices and
+  other dtypes take `F.linear`.
+
+The numbers differ from the Hugging Face forward only by float rounding (tests hold the runtime
+to the SPEC section 6 tolerance against the model's own forward with SDPA and a DynamicCache).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import SharpConfig, register, set_sharp_config
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------------------------
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers of `capacity` rows, (B, Hk, capacity, D).
+
+    `keys` / `values` are views of the first `length` rows (strided: the kernel reads any
+    strides with a unit last stride).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = int(capacity)
+        self.length = 0
+        self.key_buffer: Optional[torch.Tensor] = None
+        self.value_buffer: Optional[torch.Tensor] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.key_buffer = key_states.new_empty((b, h, self.capacity, d))
+        self.value_buffer = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        self.device = key_states.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]
+        self.values = self.value_buffer[:, :, :self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"PreallocatedCache: {end} positions exceed its capacity "
+                               f"{self.capacity}; start the runtime with a larger capacity")
+        self.key_buffer[:, :, self.length:end].copy_(key_states)
+        self.value_buffer[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """HF convention: a negative count removes that many trailing rows."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of rows to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self._views()
+
+    def keep(self, start: int, rows: torch.Tensor) -> None:
+        """Keep rows [0, start) and then start + rows (in that order); the length becomes
+        start + len(rows)."""
+        if self.is_initialized:
+            src = start + rows
+            n = rows.numel()
+            for buf in (self.key_buffer, self.value_buffer):
+                buf[:, :, start:start + n].copy_(buf.index_select(2, src))
+        self.length = start + rows.numel()
+        if self.is_initialized:
+            self._views()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._views()
+
+
+class PreallocatedCache(Cache):
+    """A transformers Cache of `PreallocatedLayer`s (one per decoder layer)."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.capacity = int(capacity)
+
+    def crop_to(self, length: int) -> None:
+        """Drop every row past the first `length`."""
+        for layer in self.layers:
+            layer.crop(min(0, length - layer.length))
+
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Keep rows [0, start) and then start + rows of every layer (a tree's accepted path)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        for layer in self.layers:
+            layer.keep(start, idx.to(layer.device) if layer.is_initialized else idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers
+# ---------------------------------------------------------------------------------------------
+_PACK_ROWS = 16          # oneDNN picks its blocking for this many rows (verification sizes)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available())
+
+
+def _packed_linear(x2d, packed, bias):
+    return torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Linear):
+    """An `nn.Linear` (same `weight` and `bias` parameters) with a oneDNN-prepacked copy of its
+    weight. `use_packed` = (for one row, for more rows): which path each takes (see
+    `plan_linears`). Falls back to `F.linear` under autograd or for inputs it cannot pack."""
+
+    def __init__(self, linear: nn.Linear, use_packed=(False, True)):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.use_packed = tuple(use_packed)
+        self.repack()
+
+    def repack(self) -> None:
+        """Re-pack after the weight changed."""
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                   _PACK_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if (not self.use_packed[rows > 1] or x.dtype != self.weight.dtype
+                or x.device.type != "cpu" or rows == 0
+                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            return F.linear(x, self.weight, self.bias)
+        out = _packed_linear(x.reshape(rows, x.shape[-1]), self.packed,
+                             None if self.bias is None else self.bias.detach())
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 9) -> Dict[tuple, tuple]:
+    """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, `F.linear`
+    against the oneDNN-packed weight at 1 row and at rows[1] rows (median of `repeats`).
+
+    Returns:
+        {(out_features, in_features, dtype): (packed at 1 row?, packed at more rows?)}.
+    """
+    plan = {}
+    for mod in model.modules():
+        if not isinstance(mod, nn.Linear) or not _packable(mod.weight):
+            continue
+        key = (mod.out_features, mod.in_features, mod.weight.dtype)
+        if key in plan:
+            continue
+        w = mod.weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+        choice = []
+        for m in rows:
+            x = torch.randn(m, mod.in_features, dtype=w.dtype)
+            reps = max(3, repeats if w.numel() < 1 << 22 else repeats // 2)
+            dense = _median_s(lambda: F.linear(x, w), reps)
+            fast = _median_s(lambda: _packed_linear(x, packed, None), reps)
+            choice.append(fast < dense)
+        plan[key] = tuple(choice)
+    return plan
+
+
+def pack_linears(model: nn.Module, plan: Dict[tuple, tuple]) -> int:
+    """Replace every CPU `nn.Linear` of `model` that `plan` covers by a `PackedLinear` sharing
+    its parameters (tied weights stay tied). Returns the number replaced."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and _packable(child.weight):
+                key = (child.out_features, child.in_features, child.weight.dtype)
+                if key in plan and any(plan[key]):
+                    setattr(parent, name, PackedLinear(child, plan[key]))
+                    count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# The runtime
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepOutput:
+    """logits: (rows, vocab) float32 of the rows asked for. hidden: {hidden-state index: (1, L,
+    hidden)}, index i as in transformers' output_hidden_states (0 = embeddings, i = output of
+    decoder layer i - 1, num_layers = after the final norm)."""
+
+    logits: torch.Tensor
+    hidden: Dict[int, torch.Tensor]
+
+
+def _decoder(model):
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return inner
+
+
+def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
+    """Set a Hugging Face causal LM up for the runtime, once (idempotent): its attention runs
+    through the sharp kernel with mode "none", and (pack=True, CPU) its linear layers are
+    prepacked by the measured rule of `plan_linears`. The model's outputs are unchanged up to
+    float rounding; its parameters and state_dict keys are untouched."""
+    state = getattr(model, "_sharpdraft_runtime", None)
+    if state is not None:
+        return model
+    register()
+    if model.config._attn_implementation != "sharp":
+        model.set_attn_implementation("sharp")
+    set_sharp_config(model, SharpConfig(mode="none"))
+    plan = plan_linears(model) if pack else {}
+    packed = pack_linears(model, plan) if plan else 0
+    model._sharpdraft_runtime = {"linear_plan": {f"{o}x{i} {str(d)[6:]}": list(p)
+                                                 for (o, i, d), p in plan.items()},
+                                 "packed_linears": packed}
+    return model
+
+
+class TargetRuntime:
+    """Runs a prepared target over a `PreallocatedCache`.
+
+    Args:
+        model: a transformers causal LM (prepared on first use, see `prepare_target`).
+        hidden_layers: hidden-state indices (as in output_hidden_states) to return with every
+            forward; empty for none.
+        pack: prepack linear layers (CPU) when preparing.
+
+    Usage: `start(capacity)`, then `forward(ids, ...)` for the prefill and every step; `length`
+    is the committed cache length; `crop(length)` and `keep(start, rows)` roll back.
+    """
+
+    def __init__(self, model: nn.Module, hidden_layers: Iterable[int] = (), pack: bool = True):
+        self.model = prepare_target(model, pack=pack)
+        self.decoder = _decoder(model)
+        self.num_layers = len(self.decoder.layers)
+        self.hidden_layers = sorted(set(int(i) for i in hidden_layers))
+        for i in self.hidden_layers:
+            if not 0 <= i <= self.num_layers:
+                raise ValueError(f"hidden_layers: index {i} outside [0, {self.num_layers}]")
+        self.cache: Optional[PreallocatedCache] = None
+        self._captured: Dict[int, torch.Tensor] = {}
+
+    @property
+    def info(self) -> dict:
+        return dict(self.model._sharpdraft_runtime)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def start(self, capacity: int) -> None:
+        """A fresh cache of `capacity` positions."""
+        self.cache = PreallocatedCache(self.num_layers, capacity)
+
+    def _hooks(self):
+        handles = []
+
+        def grab(i):
+            def hook(module, args, output):
+                self._captured[i] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        for i in self.hidden_layers:
+            module = (self.decoder.embed_tokens if i == 0 else self.decoder.norm
+                      if i == self.num_layers else self.decoder.layers[i - 1])
+            handles.append(module.register_forward_hook(grab(i)))
+        return handles
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                last_only: bool = False) -> StepOutput:
+        """One target forward over `ids` (1, n) on top of the cache.
+
+        Args:
+            ids: (1, n) int64 token ids.
+            position_ids: (1, n) positions (default: length .. length + n - 1).
+            attention_mask: (1, 1, n, length + n) bool (True = visible), e.g. a tree mask;
+                default plain causal.
+            last_only: logits of the last row only (prefill).
+        """
+        if self.cache is None:
+            raise RuntimeError("TargetRuntime.forward: call start(capacity) first")
+        handles = self._hooks()
+        try:
+            out = self.model(input_ids=ids, position_ids=position_ids,
+                             attention_mask=attention_mask, cache=self.cache, use_cache=True,
+                             logits_to_keep=1 if last_only else 0)
+        finally:
+            for h in handles:
+                h.remove()
+        hidden, self._captured = self._captured, {}
+        return StepOutput(out.logits[0].float(), hidden)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop_to(length)
+
+    def keep(self, start: int, rows: Sequence[int]) -> None:
+        self.cache.keep(start, rows)

@@ -1,0 +1,176 @@
+"""Target runtime (sharpdraft.runtime): the same numbers as the Hugging Face model's own forward
+(SPEC section 6 rule, with the model itself in float64 as the reference), a preallocated cache
+that crops and keeps tree paths exactly as a fresh forward over the kept tokens, hidden states of
+the asked layers only, prepacked linears equal to nn.Linear, and the context-length check."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from conftest import assert_close_spec
+from sharpdraft.attention import sharp_mask
+from sharpdraft.engine import autoregressive_generate, speculative_generate
+from sharpdraft.runtime import PackedLinear, TargetRuntime, prepare_target
+from sharpdraft_helpers import tiny_drafter, tiny_target
+from test_engine import pristine
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(runtime on a prepared tiny target, its float32 pristine twin, a float64 twin)."""
+    target = tiny_target(seed=5)
+    ref32 = pristine(target)
+    ref64 = copy.deepcopy(ref32).double()
+    runtime = TargetRuntime(target, hidden_layers=[0, 2, 4])
+    return runtime, ref32, ref64
+
+
+def _hf(model, ids, cache, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, **kw)
+
+
+def test_target_attention_is_never_scaled(models):
+    runtime, _, _ = models
+    assert runtime.model.config._attn_implementation == "sharp"
+    assert runtime.model.config.sharp_config["mode"] == "none"
+
+
+def test_prefill_chain_and_tree_steps_match_the_hf_forward(models):
+    runtime, ref32, ref64 = models
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 256, (1, 37), generator=g)
+    c32, c64 = DynamicCache(), DynamicCache()
+    runtime.start(128)
+    out = runtime.forward(prompt, last_only=True)
+    r32, r64 = _hf(ref32, prompt, c32), _hf(ref64, prompt, c64)
+    assert out.logits.shape == (1, 256)
+    assert_close_spec(out.logits[-1], r64.logits[0, -1], r32.logits[0, -1], "prefill logits")
+    assert sorted(out.hidden) == [0, 2, 4]
+    for i, h in out.hidden.items():
+        assert_close_spec(h, r64.hidden_states[i], r32.hidden_states[i], f"hidden {i}")
+    # a chain verification of 6 rows
+    block = torch.randint(0, 256, (1, 6), generator=g)
+    out = runtime.forward(block)
+    r32, r64 = _hf(ref32, block, c32), _hf(ref64, block, c64)
+    assert_close_spec(out.logits, r64.logits[0], r32.logits[0], "chain logits")
+    # a tree over [last ; 4 nodes]: node 0 and 1 children of the root, 2 of 0, 3 of 2
+    P = runtime.length
+    parents, depths = [-1, -1, 0, 2], [1, 1, 2, 3]
+    mask = torch.zeros(5, P + 5, dtype=torch.bool)
+    mask[:, :P + 1] = True
+    for i, p in enumerate(parents):
+        mask[1 + i, P + 1 + i] = True
+        while p >= 0:
+            mask[1 + i, P + 1 + p] = True
+            p = parents[p]
+    pos = torch.tensor([[P] + [P + d for d in depths]])
+    tree = torch.randint(0, 256, (1, 5), generator=g)
+    out = runtime.forward(tree, attention_mask=mask[None, None], position_ids=pos)
+    r32 = _hf(ref32, tree, c32, attention_mask=mask[None, None], position_ids=pos)
+    r64 = _hf(ref64, tree, c64, attention_mask=mask[None, None], position_ids=pos)
+    assert_close_spec(out.logits, r64.logits[0], r32.logits[0], "tree logits")
+
+
+def _fresh_cache_rows(ref64, ids):
+    cache = DynamicCache()
+    _hf(ref64, ids, cache)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def test_crop_and_keep_leave_the_cache_of_a_fresh_forward(models):
+    runtime, _, ref64 = models
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (1, 20), generator=g)
+    runtime.start(64)
+    runtime.forward(prompt, last_only=True)
+    block = torch.randint(0, 256, (1, 7), generator=g)
+    runtime.forward(block)
+    runtime.crop(23)                               # keep the first 3 rows of the block
+    assert runtime.length == 23
+    kept = torch.cat([prompt, block[:, :3]], 1)
+    # a tree step: root + nodes (chain 0 -> 2 -> 3 with a sibling 1), keep the path 0, 2, 3
+    P = runtime.length
+    parents, depths = [-1, -1, 0, 2], [1, 1, 2, 3]
+    mask = torch.zeros(5, P + 5, dtype=torch.bool)
+    mask[:, :P + 1] = True
+    for i, p in enumerate(parents):
+        mask[1 + i, P + 1 + i] = True
+        while p >= 0:
+            mask[1 + i, P + 1 + p] = True
+            p = parents[p]
+    tree = torch.randint(0, 256, (1, 5), generator=g)
+    pos = torch.tensor([[P] + [P + d for d in depths]])
+    runtime.forward(tree, attention_mask=mask[None, None], position_ids=pos)
+    runtime.keep(P + 1, [0, 2, 3])
+    assert runtime.length == P + 4
+    kept = torch.cat([kept, tree[:, [0, 1, 3, 4]]], 1)
+    fresh = _fresh_cache_rows(ref64, kept)
+    for layer, (k64, v64) in zip(runtime.cache.layers, fresh):
+        assert layer.keys.shape == k64.shape
+        torch.testing.assert_close(layer.keys.double(), k64, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer.values.double(), v64, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_capacity_is_enforced(models):
+    runtime, _, _ = models
+    runtime.start(8)
+    runtime.forward(torch.arange(1, 7)[None], last_only=True)
+    with pytest.raises(RuntimeError, match="capacity"):
+        runtime.forward(torch.arange(1, 4)[None])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(48, 40, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 48, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(40, generator=g))
+    packed = PackedLinear(lin, use_packed=(True, True))
+    assert packed.weight is lin.weight               # parameters shared (tying survives)
+    x = torch.randn(1, rows, 48, generator=g)
+    ref64 = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else
+                     lin.bias.double())
+    with torch.no_grad():
+        assert_close_spec(packed(x), ref64, lin(x), "packed linear")
+    # autograd takes F.linear: gradients flow
+    x.requires_grad_(True)
+    packed(x).sum().backward()
+    torch.testing.assert_close(x.grad[0], lin.weight.sum(0).expand(rows, 48))
+
+
+def test_sharp_mask_skips_only_the_plain_causal_mask():
+    assert sharp_mask(1, 4, 10, q_offset=6) is None                 # queries on the last keys
+    padded = torch.ones(1, 10, dtype=torch.bool)
+    padded[0, 2] = False
+    m = sharp_mask(1, 4, 10, q_offset=6, attention_mask=padded)
+    want = torch.ones(4, 10, dtype=torch.bool).tril(6)
+    want[:, 2] = False
+    assert torch.equal(m[0, 0], want)
+    assert sharp_mask(1, 4, 10, q_offset=6, attention_mask=torch.ones(1, 10,
+                                                                       dtype=torch.bool)) is None
+
+
+def test_prepare_is_idempotent_and_keeps_the_state_dict():
+    target = tiny_target(seed=6)
+    keys = sorted(target.state_dict())
+    prepare_target(target)
+    prepare_target(target)
+    assert sorted(target.state_dict()) == keys
+    assert target.lm_head.weight is target.model.embed_tokens.weight or \
+        not target.config.tie_word_embeddings
+
+
+def test_engine_refuses_generations_past_the_context():
+    target = tiny_target(seed=7)                     # max_position_embeddings 512
+    prompt = torch.randint(0, 256, (1, 500))
+    with pytest.raises(ValueError, match="max_new_tokens.*512"):
+        autoregressive_generate(target, prompt, 13)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        speculative_generate(target, tiny_drafter(target), prompt, 20)
+    assert len(autoregressive_generate(target, prompt, 12).tokens) == 12
