@@ -122,6 +122,8 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             res = decode(target, drafter, p["ids"], max_new_tokens, tree=tree,
                          eos_token_id=eos, draft_threshold=draft_threshold)
             row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
+                         "decode_speedup": _ratio(res.decode_tokens_per_s,
+                                                  ar.decode_tokens_per_s),
                          "identical_to_ar": res.tokens == ar.tokens}
         rows.append(row)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +138,20 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     return rows
 
 
+def _ratio(a: float, b: float):
+    """a / b, None when either is undefined (one-token runs have no decode phase)."""
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else None
+
+
+def _geomean(values) -> float:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _x(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}x"
+
+
 def markdown_table(rows: List[dict], meta: dict) -> str:
     """Per-prompt rows (one per variant) and per-kind means (tau) and geometric means
     (speedup)."""
@@ -144,21 +160,30 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
              f"{meta['slope']}, n_ref {meta['n_ref']}"
              + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
                 else "") + ".", "",
-             "| prompt | prompt tokens | AR tok/s | drafter | frozen tau | frozen speedup "
-             "| sharp tau | sharp speedup | lossless |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
+             "Speedup: end to end (prefill included); decode: tokens/s after the first token "
+             "(prefill excluded), both against target-only decoding in the same run.", "",
+             "| prompt | prompt tokens | AR decode tok/s | drafter | frozen tau | frozen speedup "
+             "| frozen decode speedup | sharp tau | sharp speedup | sharp decode speedup "
+             "| lossless |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         for v in variants:
             f, s = r[f"{v}-frozen"], r[f"{v}-sharp"]
-            lines.append(f"| {r['name']} | {r['prompt_tokens']} | {r['ar']['tokens_per_s']:.1f} "
-                         f"| {v} | {f['tau']:.3f} | {f['speedup']:.3f}x | {s['tau']:.3f} | "
-                         f"{s['speedup']:.3f}x | {f['identical_to_ar'] and s['identical_to_ar']} |")
+            ar_decode = r["ar"].get("decode_tokens_per_s")
+            lines.append(f"| {r['name']} | {r['prompt_tokens']} | "
+                         f"{'n/a' if ar_decode is None else f'{ar_decode:.1f}'} "
+                         f"| {v} | {f['tau']:.3f} | {_x(f['speedup'])} | "
+                         f"{_x(f.get('decode_speedup'))} | {s['tau']:.3f} | {_x(s['speedup'])} | "
+                         f"{_x(s.get('decode_speedup'))} | "
+                         f"{f['identical_to_ar'] and s['identical_to_ar']} |")
     for kind in sorted({r["kind"] for r in rows}):
         sel = [r for r in rows if r["kind"] == kind]
         cells = []
         for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
             tau = sum(r[name]["tau"] for r in sel) / len(sel)
-            speed = math.exp(sum(math.log(r[name]["speedup"]) for r in sel) / len(sel))
-            cells.append(f"{name}: mean tau {tau:.3f}, geomean speedup {speed:.3f}x")
+            speed = _geomean(r[name]["speedup"] for r in sel)
+            dspeed = _geomean(r[name].get("decode_speedup") for r in sel)
+            cells.append(f"{name}: mean tau {tau:.3f}, geomean speedup {speed:.3f}x "
+                         f"(decode {dspeed:.3f}x)")
         lines.append(f"\n{kind} ({len(sel)} prompts): " + "; ".join(cells) + ".")
     return "\n".join(lines) + "\n"
 
