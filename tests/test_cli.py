@@ -70,7 +70,7 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     (["generate", "--temperature", "inf"], "--temperature"),
     (["generate", "--slope", "nan"], "--slope"),
     (["generate", "--slope", "inf"], "--slope"),
-    (["bench", "--slope", "-inf"], "--slope"),
+    (["bench", "--slope=-inf"], "--slope"),
     (["bench", "--lengths", "1024", "0"], "--lengths"),
     (["bench", "--maths", "-1"], "--maths"),
 ])

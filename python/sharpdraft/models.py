@@ -14,6 +14,10 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -63,8 +67,9 @@ def default_gguf() -> Tuple[Path, dict]:
     return path, {"package": DEFAULT_PACKAGE, "version": dist.version}
 
 
-def _convert_gguf(gguf: Path, out_dir: Path, provenance: dict) -> None:
-    """Dequantise a GGUF file with transformers and save model + tokenizer as safetensors."""
+def _dequantise(gguf: Path, folder: Path) -> None:
+    """The slow part (tens of seconds): dequantise a GGUF file with transformers and save model +
+    tokenizer into `folder` as an ordinary safetensors checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -74,11 +79,82 @@ def _convert_gguf(gguf: Path, out_dir: Path, provenance: dict) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-    tmp.rename(out_dir)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+PARTIAL = ".partial-"        # <out_dir name>.partial-<pid>-<random>: one conversion under way
+STALE_AFTER_S = 24 * 3600    # a temporary folder this old is stale even if its pid is alive
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove_stale_partials(out_dir: Path) -> None:
+    """Delete the temporary folders of conversions of `out_dir` that died (their process is
+    gone, e.g. killed mid-save) or are older than STALE_AFTER_S, and the single `.partial`
+    folder of earlier versions."""
+    now = time.time()
+    for tmp in out_dir.parent.glob(out_dir.name + ".partial*"):
+        rest = tmp.name[len(out_dir.name):]
+        try:
+            age = now - tmp.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if rest.startswith(PARTIAL):
+            pid = rest[len(PARTIAL):].split("-", 1)[0]
+            alive = pid.isdigit() and _pid_alive(int(pid))
+            if alive and age < STALE_AFTER_S:
+                continue
+        elif rest != ".partial":
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What a converted folder holds: the checkpoint transformers wrote and our provenance. A
+# temporary file of an interrupted save (safetensors writes `.tmpXXXXXX` beside its target and
+# renames it) never belongs to it.
+def _drop_temporaries(folder: Path) -> None:
+    for f in folder.iterdir():
+        if not f.name.startswith(".tmp"):
+            continue
+        if f.is_dir():
+            shutil.rmtree(f, ignore_errors=True)
+        else:
+            f.unlink(missing_ok=True)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path, provenance: dict) -> None:
+    """Convert `gguf` into the cache folder `out_dir`, safe against concurrent conversions.
+
+    The conversion writes into a temporary folder of its own (`<out_dir>.partial-<pid>-<random>`
+    beside out_dir) and renames it to out_dir atomically, so out_dir is either absent or
+    complete. When another process renamed its result first, that result is used and this
+    process's copy deleted. Temporary folders of dead conversions are deleted first.
+    """
+    _remove_stale_partials(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}{PARTIAL}{os.getpid()}-",
+                                dir=out_dir.parent))
+    try:
+        _dequantise(gguf, tmp)
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        _drop_temporaries(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(tmp, out_dir)  # atomic; fails when out_dir exists (not empty)
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise
+            # another process finished first: its folder is complete, use it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
@@ -94,6 +170,10 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
 
     Raises:
         FileNotFoundError: the source does not exist or is neither a folder nor a .gguf file.
+
+    Concurrent calls (several processes, one cache) convert at most once each and all return
+    the same complete folder; a conversion killed midway leaves nothing that a later call reuses
+    (see `_convert_gguf`).
     """
     if source is None:
         gguf, provenance = default_gguf()
@@ -112,9 +192,10 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
     digest = sha256_file(gguf)
     provenance = {**provenance, "source": str(gguf), "sha256": digest}
     out_dir = sharpdraft_home() / "targets" / digest[:16]
-    if not out_dir.exists():
+    if not (out_dir / "config.json").exists():  # a conversion renames a complete folder here
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        print(f"sharpdraft: converting {gguf.name} to safetensors in {out_dir} (once)")
+        print(f"sharpdraft: converting {gguf.name} to safetensors in {out_dir} (once)",
+              file=sys.stderr)  # stdout is for results (generate --json)
         _convert_gguf(gguf, out_dir, provenance)
     return out_dir, provenance
 
