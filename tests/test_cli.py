@@ -43,6 +43,16 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
     # tau = committed tokens per verification forward (the prefill makes the first token)
     assert report["tau"] == pytest.approx((12 - 1) / (report["target_forwards"] - 1))
     assert report["sharp"]["mode"] == ("fixed_slope" if sharp == "--sharp" else "none")
+    # decode rates exclude the prefill: 11 tokens after the first over (wall - prefill)
+    assert 0 < report["prefill_s"] < report["wall_s"]
+    assert report["decode_tokens_per_s"] == pytest.approx(
+        11 / (report["wall_s"] - report["prefill_s"]))
+    assert report["decode_speedup"] == pytest.approx(
+        report["decode_tokens_per_s"] / report["ar_decode_tokens_per_s"])
+    steps = report["target_forwards"] - 1
+    assert 0 < (report["draft_ms_per_step"] + report["verify_ms_per_step"]) * steps / 1e3 \
+        <= report["wall_s"] - report["prefill_s"]
+    assert report["target"]["dtype"] in ("float32", "bfloat16")      # --dtype auto's choice
 
 
 @pytest.mark.parametrize("drafter", [["--drafter", "eagle3"], ["--drafter", "eagle3", "--tree"],

@@ -36,6 +36,7 @@ from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .drafters.pard import PARDConfig, PARDDrafter
 from .engine import GenerationResult, autoregressive_generate
 from .models import load_target
+from .runtime import choose_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,13 +125,30 @@ def check_context(target, prompt_tokens: int, max_new_tokens: int, what: str = "
                      f"(max_position_embeddings); {hint}")
 
 
+def load_target_for(args):
+    """load_target with --dtype; `auto` measures float32 against bfloat16 on this CPU
+    (`sharpdraft.runtime.choose_dtype`) and says what it chose on stderr. Returns
+    (target, tokenizer, provenance) with provenance["dtype"] (and the measurement)."""
+    auto = args.dtype == "auto"
+    target, tokenizer, provenance = load_target(
+        args.target, dtype=torch.float32 if auto else DTYPES[args.dtype])
+    provenance = dict(provenance, dtype=args.dtype)
+    if auto:
+        dtype, ms = choose_dtype(target)
+        target = target.to(dtype)
+        provenance.update(dtype=str(dtype)[6:], dtype_rule_ms=ms)
+        print(f"sharpdraft: --dtype auto chose {str(dtype)[6:]} (largest linear at 1 / 8 rows, "
+              f"ms: {ms})", file=sys.stderr)
+    return target, tokenizer, provenance
+
+
 def _run(label: str, fn, total: int) -> GenerationResult:
     with tqdm(total=total, desc=label, unit="tok", file=sys.stderr, leave=False) as bar:
         return fn(progress=bar.update)
 
 
 def cmd_bench(args) -> dict:
-    target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    target, tokenizer, provenance = load_target_for(args)
     prompts = build_prompts(tokenizer, args.lengths, args.maths)
     for p in prompts:
         check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
@@ -147,7 +165,7 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_generate(args) -> dict:
-    target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    target, tokenizer, provenance = load_target_for(args)
     prompt = args.prompt_text if args.prompt_text is not None else KJV_TASK
     if args.kjv_context is not None:
         context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
@@ -172,8 +190,12 @@ def cmd_generate(args) -> dict:
     if args.compare_ar:
         ar = _run("target-only", lambda progress: autoregressive_generate(
             target, ids, args.max_new_tokens, progress=progress, **common), args.max_new_tokens)
+        decode_speedup = spec.decode_tokens_per_s / ar.decode_tokens_per_s
         report.update(ar_tokens_per_s=ar.tokens_per_s, ar_new_tokens=ar.new_tokens,
+                      ar_decode_tokens_per_s=ar.summary()["decode_tokens_per_s"],
+                      ar_prefill_s=ar.prefill_s,
                       speedup=spec.tokens_per_s / ar.tokens_per_s,
+                      decode_speedup=decode_speedup if math.isfinite(decode_speedup) else None,
                       identical_to_ar=ar.tokens == spec.tokens if args.temperature == 0 else None)
     return report
 
@@ -183,9 +205,17 @@ def print_report(report: dict) -> None:
     print(f"\n{report['new_tokens']} new tokens after a {report['prompt_tokens']}-token prompt; "
           f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
           f"{report['tokens_per_s']:.1f} tok/s")
+    decode = report.get("decode_tokens_per_s")
+    if decode is not None:
+        print(f"decode (prefill excluded): {decode:.1f} tok/s; prefill {report['prefill_s']:.2f}"
+              f" s; draft {report['draft_ms_per_step']:.1f} ms + verify "
+              f"{report['verify_ms_per_step']:.1f} ms per step")
     if "speedup" in report:
         print(f"target-only AR: {report['ar_tokens_per_s']:.1f} tok/s; speedup "
               f"{report['speedup']:.3f}x; identical to AR: {report['identical_to_ar']}")
+        if report.get("decode_speedup") is not None:
+            print(f"target-only AR decode: {report['ar_decode_tokens_per_s']:.1f} tok/s; "
+                  f"decode speedup {report['decode_speedup']:.3f}x")
 
 
 def _common(g: argparse.ArgumentParser) -> None:
@@ -210,7 +240,9 @@ def _common(g: argparse.ArgumentParser) -> None:
                    help="chain drafting: verify drafts only up to the first whose drafter "
                         "probability is below this (0: all of them; lossless either way)")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    g.add_argument("--dtype", choices=["auto"] + sorted(DTYPES), default="auto",
+                   help="target (and drafter) weights; auto: bfloat16 only where a measurement "
+                        "on this CPU finds it faster than float32")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--seed", type=int, default=0)
 

@@ -145,8 +145,12 @@ _PACK_ROWS = 16          # oneDNN picks its blocking for this many rows (verific
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN packs float32 weights on any x86 CPU, bfloat16 only where it has a native path."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def _packed_linear(x2d, packed, bias):
@@ -218,6 +222,37 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 9) -> Dict[tuple,
             choice.append(fast < dense)
         plan[key] = tuple(choice)
     return plan
+
+
+def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
+    """The measured rule behind `--dtype auto`: bfloat16 weights only where this CPU runs the
+    model's largest decoder linear faster in bfloat16 than in float32, at one row (decode)
+    and at rows[1] rows (verification), both through the faster of `F.linear` and the
+    oneDNN-packed weight. Without AVX-512 BF16 or AMX, bfloat16 matmuls are emulated and lose;
+    with them they read half the bytes.
+
+    Returns:
+        (torch.float32 or torch.bfloat16, {"float32": [ms per row count], "bfloat16": [...]}).
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
+               and m.weight.device.type == "cpu" and m is not model.get_output_embeddings()]
+    if not linears or not torch.backends.mkldnn.is_available():
+        return torch.float32, {}
+    w32 = max(linears, key=lambda m: m.weight.numel()).weight.detach().float()
+    ms = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = w32.to(dtype)
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if _packable(w)
+                  else None)
+        ms[str(dtype)[6:]] = []
+        for m in rows:
+            x = torch.randn(m, w.shape[1], dtype=dtype)
+            best = _median_s(lambda: F.linear(x, w), repeats)
+            if packed is not None:
+                best = min(best, _median_s(lambda: _packed_linear(x, packed, None), repeats))
+            ms[str(dtype)[6:]].append(round(1e3 * best, 4))
+    faster = all(b < f for b, f in zip(ms["bfloat16"], ms["float32"]))
+    return (torch.bfloat16 if faster else torch.float32), ms
 
 
 def pack_linears(model: nn.Module, plan: Dict[tuple, tuple]) -> int:
