@@ -77,6 +77,14 @@ def test_cache_roundtrip(setup):
     ref = tiny_drafter(target).context_features(hs)
     torch.testing.assert_close(loaded["feats"][1].float(), ref[0], atol=2e-3, rtol=2e-3)
     assert json.loads((train_c.folder / "meta.json").read_text())["sequences"] == 3
+    # the top-k targets are those of the full logits, however the LM head is chunked
+    with torch.no_grad():
+        full = torch.softmax(target(torch.tensor(seqs[1:2])).logits.float(), -1).topk(8, -1)
+    for rows in (7, 1000):
+        _, p_c, i_c = td.compute_features(target, torch.tensor(seqs[1:2]), layer_ids, 8,
+                                          rows_per_chunk=rows)
+        assert torch.equal(i_c, full.indices.int())
+        torch.testing.assert_close(p_c.float(), full.values, atol=1e-3, rtol=1e-3)
 
 
 def test_distill_loss_and_weights():

@@ -26,6 +26,7 @@ to the SPEC section 6 tolerance against the model's own forward with SDPA and a 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
@@ -283,8 +284,40 @@ class StepOutput:
 
 
 def _decoder(model):
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return inner
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+@contextmanager
+def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
+    """Within the block, every forward of `model` stores the hidden states of `indices`
+    (numbered as transformers' output_hidden_states: 0 = embeddings, i = decoder layer i - 1's
+    output, num_layers = after the final norm) in the yielded dict, replacing older entries;
+    nothing else is kept (output_hidden_states would hold every layer).
+
+    Raises:
+        ValueError: an index outside [0, num_layers].
+    """
+    decoder = _decoder(model)
+    layers = len(decoder.layers)
+    captured: Dict[int, torch.Tensor] = {}
+    handles = []
+
+    def grab(i):
+        def hook(module, args, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    for i in sorted(set(int(i) for i in indices)):
+        if not 0 <= i <= layers:
+            raise ValueError(f"hidden_layers: index {i} outside [0, {layers}]")
+        module = (decoder.embed_tokens if i == 0 else decoder.norm if i == layers
+                  else decoder.layers[i - 1])
+        handles.append(module.register_forward_hook(grab(i)))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
@@ -321,15 +354,13 @@ class TargetRuntime:
     """
 
     def __init__(self, model: nn.Module, hidden_layers: Iterable[int] = (), pack: bool = True):
-        self.model = prepare_target(model, pack=pack)
-        self.decoder = _decoder(model)
-        self.num_layers = len(self.decoder.layers)
+        self.num_layers = len(_decoder(model).layers)
         self.hidden_layers = sorted(set(int(i) for i in hidden_layers))
         for i in self.hidden_layers:
             if not 0 <= i <= self.num_layers:
                 raise ValueError(f"hidden_layers: index {i} outside [0, {self.num_layers}]")
+        self.model = prepare_target(model, pack=pack)
         self.cache: Optional[PreallocatedCache] = None
-        self._captured: Dict[int, torch.Tensor] = {}
 
     @property
     def info(self) -> dict:
@@ -342,20 +373,6 @@ class TargetRuntime:
     def start(self, capacity: int) -> None:
         """A fresh cache of `capacity` positions."""
         self.cache = PreallocatedCache(self.num_layers, capacity)
-
-    def _hooks(self):
-        handles = []
-
-        def grab(i):
-            def hook(module, args, output):
-                self._captured[i] = output[0] if isinstance(output, tuple) else output
-            return hook
-
-        for i in self.hidden_layers:
-            module = (self.decoder.embed_tokens if i == 0 else self.decoder.norm
-                      if i == self.num_layers else self.decoder.layers[i - 1])
-            handles.append(module.register_forward_hook(grab(i)))
-        return handles
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
@@ -372,16 +389,11 @@ class TargetRuntime:
         """
         if self.cache is None:
             raise RuntimeError("TargetRuntime.forward: call start(capacity) first")
-        handles = self._hooks()
-        try:
+        with captured_hidden_states(self.model, self.hidden_layers) as hidden:
             out = self.model(input_ids=ids, position_ids=position_ids,
                              attention_mask=attention_mask, cache=self.cache, use_cache=True,
                              logits_to_keep=1 if last_only else 0)
-        finally:
-            for h in handles:
-                h.remove()
-        hidden, self._captured = self._captured, {}
-        return StepOutput(out.logits[0].float(), hidden)
+        return StepOutput(out.logits[0].float(), dict(hidden))
 
     def crop(self, length: int) -> None:
         self.cache.crop_to(length)

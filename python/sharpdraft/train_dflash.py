@@ -35,19 +35,30 @@ from tqdm import tqdm
 from . import data
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .models import sharpdraft_home
+from .runtime import captured_hidden_states
 
 CACHE_SHARD = 8  # sequences per cache file
 
 
 # ----- feature cache --------------------------------------------------------------------------------
 @torch.no_grad()
-def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int):
+def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int,
+                     rows_per_chunk: int = 1024):
     """One target forward over ids (n, L): (features float16 (n, L, F*H), top-k probs float16
-    (n, L, k), top-k ids int32 (n, L, k)); position t's distribution predicts token t + 1."""
-    out = target(ids, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).float()
-    probs = torch.softmax(out.logits.float(), dim=-1)
-    p, i = probs.topk(topk, dim=-1)
+    (n, L, k), top-k ids int32 (n, L, k)); position t's distribution predicts token t + 1.
+
+    Only the layers read are kept (forward hooks, not output_hidden_states), and the LM head
+    runs on `rows_per_chunk` rows at a time, so the full (n, L, vocab) logits never exist."""
+    last = len(target.get_decoder().layers)
+    with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden:
+        target.get_decoder()(input_ids=ids, use_cache=False)
+    feats = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).float()
+    flat = hidden[last].reshape(-1, hidden[last].shape[-1])
+    head = target.get_output_embeddings()
+    tops = [torch.softmax(head(flat[r:r + rows_per_chunk]).float(), dim=-1).topk(topk, dim=-1)
+            for r in range(0, flat.shape[0], rows_per_chunk)]
+    p = torch.cat([t.values for t in tops]).view(*ids.shape, topk)
+    i = torch.cat([t.indices for t in tops]).view(*ids.shape, topk)
     return (feats.clamp(-65000.0, 65000.0).half(), p.half(), i.int())
 
 
