@@ -198,9 +198,16 @@ def _median_s(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 9) -> Dict[tuple, tuple]:
+_COLD_BYTES = 96 << 20   # more than the last-level caches of the CPUs we run on
+
+
+def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 5) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, `F.linear`
     against the oneDNN-packed weight at 1 row and at rows[1] rows (median of `repeats`).
+
+    A forward streams every weight from memory once, so each timing runs over enough copies
+    of the weight to exceed the caches (_COLD_BYTES), as in the model; a weight measured hot
+    in cache favours the wrong path.
 
     Returns:
         {(out_features, in_features, dtype): (packed at 1 row?, packed at more rows?)}.
@@ -213,15 +220,17 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 9) -> Dict[tuple,
         if key in plan:
             continue
         w = mod.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+        copies = [w.clone() for _ in range(max(1, -(-_COLD_BYTES // (w.numel() *
+                                                                      w.element_size()))))]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(c, _PACK_ROWS) for c in copies]
         choice = []
         for m in rows:
             x = torch.randn(m, mod.in_features, dtype=w.dtype)
-            reps = max(3, repeats if w.numel() < 1 << 22 else repeats // 2)
-            dense = _median_s(lambda: F.linear(x, w), reps)
-            fast = _median_s(lambda: _packed_linear(x, packed, None), reps)
+            dense = _median_s(lambda: [F.linear(x, c) for c in copies], repeats)
+            fast = _median_s(lambda: [_packed_linear(x, p, None) for p in packed], repeats)
             choice.append(fast < dense)
         plan[key] = tuple(choice)
+        del copies, packed
     return plan
 
 
