@@ -174,3 +174,32 @@ def test_engine_refuses_generations_past_the_context():
     with pytest.raises(ValueError, match="max_position_embeddings"):
         speculative_generate(target, tiny_drafter(target), prompt, 20)
     assert len(autoregressive_generate(target, prompt, 12).tokens) == 12
+
+
+def test_packed_linear_follows_in_place_weight_updates():
+    """An optimizer step changes the weight in place: the packed copy must not go stale."""
+    g = torch.Generator().manual_seed(3)
+    lin = torch.nn.Linear(32, 24, bias=False)
+    packed = PackedLinear(lin, use_packed=(True, True))
+    x = torch.randn(5, 32, generator=g)
+    with torch.no_grad():
+        before = packed(x)
+        lin.weight.add_(torch.randn(24, 32, generator=g))
+        after = packed(x)
+    ref = x.double() @ lin.weight.double().t()
+    assert (before.double() - ref).abs().max() > 0.1          # the update mattered
+    torch.testing.assert_close(after.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_head_tracks_the_target_head():
+    from sharpdraft_helpers import tiny_eagle3
+    target = tiny_target(seed=8)
+    drafter = tiny_eagle3(target, draft_vocab_size=40)
+    drafter.set_draft_vocab(torch.arange(40).flip(0) * 3)
+    h = torch.randn(3, 64)
+    head = target.get_output_embeddings()
+    with torch.no_grad():
+        want = h @ head.weight[drafter.d2t].t()
+        torch.testing.assert_close(drafter.head(target, h), want, rtol=1e-5, atol=1e-5)
+        head.weight.mul_(2.0)                       # the cached rows must follow
+        torch.testing.assert_close(drafter.head(target, h), 2 * want, rtol=1e-5, atol=1e-5)

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .runtime import TargetRuntime
+from .runtime import TargetRuntime, prepare_drafter
 
 
 @dataclass
@@ -293,6 +293,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
     capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
     runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+    prepare_drafter(drafter)
     tick = _Progress(progress)
     dev = prompt_ids.device
     start = time.perf_counter()
@@ -396,6 +397,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     capacity = _check(target, prompt_ids, max_new_tokens, temperature,
                       drafter.config.tree_tokens + 1)
     runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+    prepare_drafter(drafter)
     tick = _Progress(progress)
     dev = prompt_ids.device
     start = time.perf_counter()

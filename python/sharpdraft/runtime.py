@@ -172,65 +172,80 @@ class PackedLinear(nn.Linear):
         self.repack()
 
     def repack(self) -> None:
-        """Re-pack after the weight changed."""
+        """Pack the current weight (done again automatically once the weight changes in place,
+        e.g. by an optimizer step: its version counter moves)."""
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                    _PACK_ROWS)
+        self.packed_version = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         if (not self.use_packed[rows > 1] or x.dtype != self.weight.dtype
-                or x.device.type != "cpu" or rows == 0
+                or x.device.type != "cpu" or rows == 0 or not _packable(self.weight)
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
+        if self.packed_version != (self.weight.data_ptr(), self.weight._version,
+                                   self.weight.dtype):
+            self.repack()
         out = _packed_linear(x.reshape(rows, x.shape[-1]), self.packed,
                              None if self.bias is None else self.bias.detach())
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _median_s(fn, repeats: int) -> float:
+def _median_s(fn, repeats: int, flush: Optional[torch.Tensor] = None) -> float:
+    """Median seconds of fn() over `repeats` calls; with `flush`, a read of that buffer (not
+    timed) before each call evicts what fn reads from the caches."""
     fn()
     times = []
     for _ in range(repeats):
+        if flush is not None:
+            flush.sum()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
 
-_COLD_BYTES = 96 << 20   # more than the last-level caches of the CPUs we run on
+_COLD_BYTES = 64 << 20   # more than the last-level caches of the CPUs we run on
+_PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape and threads
 
 
-def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 5) -> Dict[tuple, tuple]:
+def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 7) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, `F.linear`
     against the oneDNN-packed weight at 1 row and at rows[1] rows (median of `repeats`).
 
-    A forward streams every weight from memory once, so each timing runs over enough copies
-    of the weight to exceed the caches (_COLD_BYTES), as in the model; a weight measured hot
-    in cache favours the wrong path.
+    A forward streams every weight from memory once, so each call is timed with the weight
+    evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
+    measured hot in cache favours the wrong path (F.linear at one row, on our AVX2 machine).
+    Choices are remembered per shape and thread count for the rest of the process.
 
     Returns:
         {(out_features, in_features, dtype): (packed at 1 row?, packed at more rows?)}.
     """
     plan = {}
+    flush = None
     for mod in model.modules():
         if not isinstance(mod, nn.Linear) or not _packable(mod.weight):
             continue
         key = (mod.out_features, mod.in_features, mod.weight.dtype)
         if key in plan:
             continue
+        known = _PLANS.get((key, rows, torch.get_num_threads()))
+        if known is not None:             # measured before in this process (target, drafter)
+            plan[key] = known
+            continue
+        if flush is None:
+            flush = torch.ones(_COLD_BYTES // 4)
         w = mod.weight.detach()
-        copies = [w.clone() for _ in range(max(1, -(-_COLD_BYTES // (w.numel() *
-                                                                      w.element_size()))))]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(c, _PACK_ROWS) for c in copies]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
         choice = []
         for m in rows:
             x = torch.randn(m, mod.in_features, dtype=w.dtype)
-            dense = _median_s(lambda: [F.linear(x, c) for c in copies], repeats)
-            fast = _median_s(lambda: [_packed_linear(x, p, None) for p in packed], repeats)
+            dense = _median_s(lambda: F.linear(x, w), repeats, flush)
+            fast = _median_s(lambda: _packed_linear(x, packed, None), repeats, flush)
             choice.append(fast < dense)
-        plan[key] = tuple(choice)
-        del copies, packed
+        plan[key] = _PLANS[(key, rows, torch.get_num_threads())] = tuple(choice)
     return plan
 
 
@@ -347,6 +362,16 @@ def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
                                                  for (o, i, d), p in plan.items()},
                                  "packed_linears": packed}
     return model
+
+
+def prepare_drafter(drafter: nn.Module) -> nn.Module:
+    """Prepack a drafter's own CPU linear layers by the same measured rule as the target's
+    (`plan_linears`), once; parameters and state_dict are untouched, and a packed weight is
+    repacked when training changes it."""
+    if not getattr(drafter, "_sharpdraft_packed", False):
+        pack_linears(drafter, plan_linears(drafter))
+        drafter._sharpdraft_packed = True
+    return drafter
 
 
 class TargetRuntime:

@@ -167,8 +167,34 @@ class Drafter(nn.Module):
         lm_head = target.get_output_embeddings()
         if self.d2t is None:
             return lm_head(h).float()
-        bias = lm_head.bias[self.d2t] if getattr(lm_head, "bias", None) is not None else None
-        return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
+        if torch.is_grad_enabled() and lm_head.weight.requires_grad:
+            bias = lm_head.bias[self.d2t] if getattr(lm_head, "bias", None) is not None else None
+            return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
+        return self._draft_head(lm_head)(h).float()
+
+    def _draft_head(self, lm_head: nn.Module) -> nn.Module:
+        """The target LM head's rows d2t as one linear layer (prepacked like the target's, see
+        sharpdraft.runtime), gathered once and again only when the head's weight, its dtype
+        or d2t change, instead of gathering (draft vocab x hidden) floats on every call."""
+        from ..runtime import pack_linears, plan_linears
+
+        w = lm_head.weight
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        cached = self.__dict__.get("_draft_head_cache")
+        if cached is None or cached[0] != key:
+            bias = getattr(lm_head, "bias", None)
+            holder = nn.Module()
+            holder.linear = nn.Linear(w.shape[1], self.d2t.numel(), bias=bias is not None,
+                                      device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                holder.linear.weight.copy_(w[self.d2t])
+                if bias is not None:
+                    holder.linear.bias.copy_(bias[self.d2t])
+            holder.requires_grad_(False)
+            pack_linears(holder, plan_linears(holder))
+            cached = (key, holder.linear)
+            self.__dict__["_draft_head_cache"] = cached     # not a submodule: no state_dict
+        return cached[1]
 
     def to_target_vocab(self, target, logits: torch.Tensor) -> torch.Tensor:
         """(n, draft vocab) logits -> (n, target vocab), -inf outside the draft vocabulary (so
