@@ -150,3 +150,25 @@ def test_draft_vocabulary_borrows_head_rows_and_masks_the_rest(models, tmp_path)
         small.set_draft_vocab(torch.zeros(40, dtype=torch.long))
     with pytest.raises(ValueError, match="full target vocabulary"):
         full.set_draft_vocab(d2t)
+
+
+def test_context_window_equals_a_truncated_context():
+    """With context_window W the block sees the last W context positions only: the same logits
+    as a drafter given just those W features at their own positions (RoPE is relative)."""
+    from transformers import DynamicCache
+
+    target = tiny_target(seed=4)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = torch.randint(2, 256, (1, 30))
+    with torch.no_grad():
+        feats = drafter.context_features(target(ids, output_hidden_states=True).hidden_states)
+        full = drafter.draft_logits(target, 7, 30, feats, DynamicCache())
+        drafter.context_window = 10
+        windowed = drafter.draft_logits(target, 7, 30, feats, DynamicCache())
+        drafter.context_window = None
+        truncated = drafter.draft_logits(target, 7, 30, feats[:, -10:], DynamicCache())
+        drafter.context_window = 40                     # wider than the context: no change
+        wide = drafter.draft_logits(target, 7, 30, feats, DynamicCache())
+    torch.testing.assert_close(windowed, truncated, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide, full, rtol=1e-5, atol=1e-5)
+    assert (windowed - full).abs().max() > 1e-3         # the window did cut something

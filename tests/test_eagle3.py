@@ -221,3 +221,36 @@ def test_save_load_round_trip(target, tmp_path):
     assert back.config == drafter.config
     for (k, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_context_window_bounds_n_i_and_stays_lossless(target, monkeypatch, tree):
+    """With context_window W every drafter row sees at most W cached keys plus the step's own
+    rows (counted by ext.visible_counts), and decoding stays token-identical to greedy."""
+    drafter = tiny_eagle3(target, tree_topk=2, tree_depth=3, tree_tokens=6, chain_length=3)
+    drafter.context_window = 8
+    counts, real_step, real_attn = [], drafter.step, ext.sharp_attention
+    rows = []
+
+    def step(embeds, hidden, positions, cache, attn_mask=None):
+        rows.append(positions.shape[1])
+        try:
+            return real_step(embeds, hidden, positions, cache, attn_mask)
+        finally:
+            rows.append(None)
+
+    def attn(q, k, v, **kw):
+        if rows and rows[-1] is not None:             # inside a drafter step
+            n = ext.visible_counts(q, k, causal=kw.get("causal", False),
+                                   attn_mask=kw.get("attn_mask"))
+            counts.append((int(n.max()), rows[-1]))
+        return real_attn(q, k, v, **kw)
+
+    monkeypatch.setattr(drafter, "step", step)
+    monkeypatch.setattr(attention.ext, "sharp_attention", attn)
+    prompt = prompt_of(13, 40)
+    ref = hf_greedy(target, prompt, 16)
+    run = tree_speculative_generate if tree else speculative_generate
+    assert run(target, drafter, prompt, 16).tokens == ref
+    assert counts and all(n <= 8 + r for n, r in counts)
+    assert any(n > r for n, r in counts)                # the window still holds context

@@ -130,6 +130,7 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     meta = {"max_new_tokens": max_new_tokens, "slope": slope,
             "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
             "variants": list(variants), "draft_threshold": draft_threshold,
+            "context_window": {label: d.context_window for label, (d, _) in variants.items()},
             "max_drafts": {label: (d.config.tree_tokens if tree else d.max_drafts)
                            for label, (d, tree) in variants.items()}}
     (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
@@ -156,8 +157,10 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
     """Per-prompt rows (one per variant) and per-kind means (tau) and geometric means
     (speedup)."""
     variants = meta.get("variants", ["dflash"])
+    windows = {k: v for k, v in meta.get("context_window", {}).items() if v is not None}
     lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, SharpDraft slope "
              f"{meta['slope']}, n_ref {meta['n_ref']}"
+             + (f", drafter context window {windows}" if windows else "")
              + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
                 else "") + ".", "",
              "Speedup: end to end (prefill included); decode: tokens/s after the first token "

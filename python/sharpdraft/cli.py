@@ -15,6 +15,8 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
 
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
     sharpdraft train eagle3 --out my-eagle --steps 2000 --threads 2
+
+    sharpdraft data generate --out corpus --tokens 1000000 --batch 16 --threads 2   # resumable
 """
 from __future__ import annotations
 
@@ -99,6 +101,7 @@ def build_drafter(target, tokenizer, args):
         drafter = untrained_drafter(args.drafter, target, tokenizer, args)
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
               f"(tau ~ 1)", file=sys.stderr)
+    drafter.context_window = getattr(args, "context_window", None)
     sharp = getattr(args, "sharp", True)      # bench runs both, whatever this says
     drafter.sharp = SharpConfig(mode="fixed_slope" if sharp else "none", slope=args.slope,
                                 n_ref=args.n_ref if args.n_ref is not None
@@ -186,6 +189,7 @@ def cmd_generate(args) -> dict:
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
                         for k, v in drafter.sharp.kernel_kwargs().items()},
               "max_drafts": drafter.config.tree_tokens if args.tree else drafter.max_drafts,
+              "context_window": drafter.context_window,
               "target": provenance}
     if args.compare_ar:
         ar = _run("target-only", lambda progress: autoregressive_generate(
@@ -198,6 +202,34 @@ def cmd_generate(args) -> dict:
                       decode_speedup=decode_speedup if math.isfinite(decode_speedup) else None,
                       identical_to_ar=ar.tokens == spec.tokens if args.temperature == 0 else None)
     return report
+
+
+def cmd_data(args) -> dict:
+    """`sharpdraft data generate`: load and prepare the target, then generate or resume the
+    corpus in --out (sharpdraft.corpus.generate_corpus). Returns a summary: counts per split,
+    the measured response tokens/s, the manifest's path."""
+    from . import corpus
+    from .runtime import prepare_target
+
+    target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
+    prepare_target(target)
+    settings = corpus.Settings(batch=args.batch, max_new_tokens=args.max_new_tokens,
+                               seed=args.seed, batches_per_shard=args.batches_per_shard,
+                               temperature=args.temperature, top_p=args.top_p,
+                               heldout_every=args.heldout_every, max_seq_len=args.max_seq_len,
+                               dtype=args.dtype)
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and args.max_seq_len > limit:
+        raise SystemExit(f"sharpdraft data generate: error: --max-seq-len {args.max_seq_len} "
+                         f"exceeds the target's context of {limit} (max_position_embeddings)")
+    try:
+        manifest = corpus.generate_corpus(target, tokenizer, args.out, args.tokens, settings,
+                                          provenance=provenance)
+    except ValueError as err:       # a resumed corpus made with other settings
+        raise SystemExit(f"sharpdraft data generate: error: {err}")
+    return {"out": str(args.out), "manifest": str(Path(args.out) / corpus.MANIFEST),
+            "shards": len(manifest["shards"]), "counts": manifest["counts"],
+            "throughput": manifest["throughput"]}
 
 
 def print_report(report: dict) -> None:
@@ -239,6 +271,9 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-threshold", type=float, default=0.0,
                    help="chain drafting: verify drafts only up to the first whose drafter "
                         "probability is below this (0: all of them; lossless either way)")
+    g.add_argument("--context-window", type=int, default=None, metavar="W",
+                   help="the drafter attends to the last W context positions only (DFlash, "
+                        "EAGLE-3; default: all of them)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                    help="target (and drafter) weights; auto: bfloat16 only where a measurement "
@@ -283,7 +318,31 @@ def parser() -> argparse.ArgumentParser:
         module.add_arguments(kinds.add_parser(
             name, help=f"train {what} drafter (recipe: checkpoints/{name}-smollm2/RECIPE.md)",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    p.commands = {"generate": g, "bench": b, "train": t}
+    d = sub.add_parser("data", help="corpora of the target's own responses")
+    actions = d.add_subparsers(dest="data_command", required=True, metavar="{generate}")
+    dg = actions.add_parser(
+        "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="generate (or resume) a self-distilled corpus: batched target responses to "
+             "prompts from the KJV, champ, HumanEval and stdlib sources (sharpdraft.corpus)")
+    dg.add_argument("--out", required=True, help="corpus folder (an existing one is resumed)")
+    dg.add_argument("--tokens", type=int, required=True,
+                    help="stop once the train split holds this many response tokens")
+    dg.add_argument("--batch", type=int, default=16, help="prompts per generate call")
+    dg.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    dg.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
+    dg.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    dg.add_argument("--target", default=None,
+                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    dg.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target weights")
+    dg.add_argument("--batches-per-shard", type=int, default=4,
+                    help="first-turn batches per shard (plus one batch of follow-ups)")
+    dg.add_argument("--max-seq-len", type=int, default=1024,
+                    help="prompt + --max-new-tokens must fit in this (longer prompts skipped)")
+    dg.add_argument("--heldout-every", type=int, default=20,
+                    help="one shard in this many is held out (0: none)")
+    dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
+    dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
+    p.commands = {"generate": g, "bench": b, "train": t, "data": dg}
     return p
 
 
@@ -306,8 +365,12 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
         v = getattr(args, name, None)
         if v is not None and v < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    for name in ("threads", "n_ref", "max_new_tokens", "kjv_context"):
+    for name in ("threads", "n_ref", "max_new_tokens", "kjv_context", "context_window"):
         positive(name)
+    if (getattr(args, "context_window", None) is not None
+            and not DRAFTERS[args.drafter].supports_context_window):
+        p.error(f"--context-window: the {args.drafter} drafter has no context window option "
+                f"(DFlash and EAGLE-3 have)")
     th = getattr(args, "draft_threshold", None)
     if th is not None and not 0.0 <= th <= 1.0:
         p.error(f"--draft-threshold must lie in [0, 1], got {th}")
@@ -328,6 +391,19 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
                             else _read_text(p, "--prompt-file", args.prompt_file))
         args.context_text = (None if args.context_file is None
                              else _read_text(p, "--context-file", args.context_file))
+    if args.command == "data":
+        for name in ("tokens", "batch", "batches_per_shard", "max_seq_len"):
+            positive(name)
+        if args.heldout_every < 0 or args.heldout_every == 1:
+            p.error(f"--heldout-every must be 0 (none) or >= 2, got {args.heldout_every}")
+        if args.max_new_tokens >= args.max_seq_len:
+            p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in "
+                    f"--max-seq-len {args.max_seq_len}")
+        if not 0.0 < args.top_p <= 1.0:
+            p.error(f"--top-p must lie in (0, 1], got {args.top_p}")
+        if args.temperature <= 0:
+            p.error(f"--temperature must be > 0 (it is the sampled batches'), got "
+                    f"{args.temperature}")
     if args.command == "bench":
         if args.maths < 0:
             p.error(f"--maths must be >= 0, got {args.maths}")
@@ -345,6 +421,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.command == "bench":
         cmd_bench(args)
+        return 0
+    if args.command == "data":
+        report = cmd_data(args)
+        print(json.dumps(report, indent=2))
         return 0
     if args.command == "train":
         from . import train_dflash, train_eagle3, train_pard

@@ -111,6 +111,17 @@ class HeadProjections(nn.Module):
         return self.o_proj(o.transpose(1, 2).flatten(2))
 
 
+def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int = 0,
+              attn_mask: Optional[torch.Tensor] = None) -> tuple:
+    """Views of the last `window` context keys (plus the `own` rows of the current step at the
+    end), and the matching columns of `attn_mask`; everything when window is None."""
+    if window is None or k.shape[2] <= window + own:
+        return k, v, attn_mask
+    keep = window + own
+    return (k[:, :, -keep:], v[:, :, -keep:],
+            None if attn_mask is None else attn_mask[..., -keep:])
+
+
 def crop_to(cache, length: int) -> None:
     """Drop the entries of a DynamicCache past the first `length` positions."""
     extra = cache.get_seq_length() - length
@@ -129,6 +140,12 @@ class Drafter(nn.Module):
     config_class = None
     needs_hidden_states = True
     drafts_trees = False          # sessions also have propose_tree (tree_speculative_generate)
+    # Inference option: attend only to the last `context_window` context keys (None: all of
+    # them). Drafters that honour it set supports_context_window (issue 16: a drafter trained on
+    # short sequences misplaces attention at distances it never saw; a window keeps it in
+    # distribution, and n_i, hence SharpDraft's beta, counts the keys actually seen).
+    context_window: Optional[int] = None
+    supports_context_window = False
 
     @property
     def hidden_layers(self) -> list:

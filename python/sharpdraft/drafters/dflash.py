@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
-                   llama_config, target_geometry)
+                   last_keys, llama_config, target_geometry)
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -117,7 +117,8 @@ class DFlashAttention(HeadProjections):
         super().__init__(config, config.hidden_size)
 
     def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
-                sharp: SharpConfig, attn_mask: Optional[torch.Tensor]):
+                sharp: SharpConfig, attn_mask: Optional[torch.Tensor],
+                window: Optional[int] = None):
         q = self._heads(self.q_proj(x), self.num_heads)
         k = self._heads(self.k_proj(x), self.num_kv_heads)
         v = self._heads(self.v_proj(x), self.num_kv_heads)
@@ -127,6 +128,8 @@ class DFlashAttention(HeadProjections):
         kc = apply_rotary_pos_emb(kc, kc, *ctx_rope)[0]
         if cache is not None:  # context keys/values only: the block is recomputed every step
             kc, vc = cache.update(kc, vc, layer)
+        if attn_mask is None:  # inference: optionally the last `window` context keys only
+            kc, vc, _ = last_keys(kc, vc, window)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
         out = attend(q, k, v, sharp, attn_mask=attn_mask)
         return self.out(out)
@@ -141,9 +144,10 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
-    def forward(self, x, ctx, block_rope, ctx_rope, cache, layer, sharp, attn_mask):
+    def forward(self, x, ctx, block_rope, ctx_rope, cache, layer, sharp, attn_mask,
+                window=None):
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, cache, layer,
-                               sharp, attn_mask)
+                               sharp, attn_mask, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -151,8 +155,11 @@ class DFlashDrafter(Drafter):
     """The DFlash drafter (see the module docstring). Build it with `DFlashDrafter(config)`.
 
     `sharp` (a SharpConfig) selects the attention scaling at inference; its default is the
-    frozen drafter (mode "none") with n_ref = config.train_context.
+    frozen drafter (mode "none") with n_ref = config.train_context. `context_window` (None or
+    W >= 1): at inference the block attends to the last W context positions only.
     """
+
+    supports_context_window = True
 
     config_class = DFlashConfig
 
@@ -201,7 +208,8 @@ class DFlashDrafter(Drafter):
         ctx_rope = self.rotary_emb(ctx, context_positions)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, block_rope, ctx_rope, cache, i, self.sharp, attn_mask)
+            x = layer(x, ctx, block_rope, ctx_rope, cache, i, self.sharp, attn_mask,
+                      self.context_window)
         return self.norm(x)
 
     def block_logits(self, target, context_features: torch.Tensor, block_ids: torch.Tensor,

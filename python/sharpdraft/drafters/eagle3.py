@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
-                   llama_config, target_geometry)
+                   last_keys, llama_config, target_geometry)
 
 
 @dataclass
@@ -107,10 +107,13 @@ class Eagle3Attention(HeadProjections):
 
 class Eagle3Drafter(Drafter):
     """The EAGLE-3 drafter (see the module docstring). `sharp` selects the attention scaling
-    (default: frozen, n_ref = config.train_context)."""
+    (default: frozen, n_ref = config.train_context). `context_window` (None or W >= 1): at
+    inference a row attends to the last W cached positions before the step plus the step's own
+    rows (chain and tree)."""
 
     config_class = Eagle3Config
     drafts_trees = True
+    supports_context_window = True
 
     def __init__(self, config: Eagle3Config, sharp: Optional[SharpConfig] = None):
         super().__init__()
@@ -171,6 +174,7 @@ class Eagle3Drafter(Drafter):
                                      self.rotary_emb(embeds, positions))
         if cache is not None:
             k, v = cache.update(k, v, 0)
+            k, v, attn_mask = last_keys(k, v, self.context_window, q.shape[2], attn_mask)
         o = attend(q, k, v, self.sharp, causal=attn_mask is None and q.shape[2] > 1,
                    attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
