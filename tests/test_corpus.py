@@ -1,0 +1,351 @@
+"""sharpdraft.corpus: the prompt set, batched generation, shards, resume and `data generate`
+(a tiny random Llama and a word-level tokenizer with a chat template; seconds on CPU)."""
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from sharpdraft import cli, corpus, data
+from sharpdraft.runtime import prepare_target
+from sharpdraft_helpers import tiny_target
+
+WORDS = ("the lord god said unto him and her earth heaven light day night water was it "
+         "good made called evening morning first second def return if else x y").split()
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+            "{% if add_generation_prompt %}assistant :{% endif %}")
+FUNCTION = '''def f{n}(x, y):
+    """Return the lord and the earth for x and y, said unto him and her, first and second."""
+    if x < y and y == {n}:
+        return x + y
+    if x >= y or y != 2:
+        return x - y
+    return x == True
+'''
+
+
+def tiny_tokenizer(chat_template=True):
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", "user", "assistant", ":"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    if chat_template:
+        fast.chat_template = TEMPLATE
+    return fast
+
+
+def _verses(rng, n):
+    return "\n".join(" ".join(rng.choice(WORDS[:22]) for _ in range(8)) for _ in range(n))
+
+
+def fake_documents(source, split):
+    """Small documents of every source, disjoint between the splits (names carry the split)."""
+    rng = random.Random(f"{source}-{split}")
+    tag = "H" if split == "heldout" else "T"
+    if source == "kjv":
+        return [{"source": "kjv", "name": f"{tag}b{i}", "text": _verses(rng, 30)} for i in range(2)]
+    if source == "champ":
+        return [{"source": "champ", "name": f"{tag}p{i}",
+                 "chat": (f"{_verses(rng, 2)}\nSolve it step by step.", "it was good")}
+                for i in range(3)]
+    if source == "humaneval":
+        return [{"source": "humaneval", "name": f"{tag}/h{i}",
+                 "chat": (f"Complete this Python function.\n\ndef h{i}(x):\n    \"\"\"the lord\"\"\"\n",
+                          "")} for i in range(3)]
+    return [{"source": "stdlib", "name": f"{tag}m{i}.py",
+             "text": "\n\n".join(FUNCTION.format(n=n) for n in range(4))} for i in range(2)]
+
+
+@pytest.fixture(autouse=True)
+def short_passages(monkeypatch):
+    monkeypatch.setattr(corpus, "PASSAGE_CHARS", (100, 300))
+    monkeypatch.setattr(corpus, "FUNCTION_CHARS", (50, 2000))
+
+
+@pytest.fixture(scope="module")
+def target():
+    tok = tiny_tokenizer()
+    model = prepare_target(tiny_target(vocab=len(tok), eos_token_id=1))
+    return model, tok
+
+
+SETTINGS = corpus.Settings(batch=4, max_new_tokens=8, batches_per_shard=2, heldout_every=2,
+                           max_seq_len=256)
+
+
+def run(model, tok, out, tokens=10 ** 9, **kw):
+    kw.setdefault("max_shards", 3)
+    return corpus.generate_corpus(model, tok, out, tokens, SETTINGS, documents=fake_documents,
+                                  provenance={"source": "tiny", "sha256": "ab" * 32},
+                                  progress=False, **kw)
+
+
+def same_corpus(a, b):
+    for split in data.SPLITS:
+        ca, cb = corpus.load(a, split), corpus.load(b, split)
+        assert len(ca) == len(cb) > 0
+        for x, y in zip(ca.sequences, cb.sequences):
+            np.testing.assert_array_equal(x, y)
+        for x, y in zip(ca.masks, cb.masks):
+            np.testing.assert_array_equal(x, y)
+        assert ca.records == cb.records
+
+
+# ----- the prompt set --------------------------------------------------------------------------------
+def test_prompt_set_is_deterministic_and_covers_every_source_and_kind():
+    a, _ = corpus.build_prompts("train", 0, documents=fake_documents)
+    b, _ = corpus.build_prompts("train", 0, documents=fake_documents)
+    c, _ = corpus.build_prompts("train", 1, documents=fake_documents)
+    assert corpus.prompts_digest(a) == corpus.prompts_digest(b)
+    assert corpus.prompts_digest(a) != corpus.prompts_digest(c)
+    for prompts in (a, c):
+        have = {(p.source, p.kind) for p in prompts}
+        assert have == {(s, k) for s, kinds in corpus.KINDS.items() for k in kinds}
+
+
+def test_prompt_set_of_the_real_heldout_sources_covers_every_kind():
+    prompts, unavailable = corpus.build_prompts("heldout", 0)
+    assert unavailable == []
+    have = {(p.source, p.kind) for p in prompts}
+    assert have == {(s, k) for s, kinds in corpus.KINDS.items() for k in kinds}
+    assert {p.doc for p in prompts if p.source == "kjv"} == set(data.KJV_HELD_OUT_BOOKS)
+    bug = next(p for p in prompts if p.kind == "find_bug")
+    assert "```python" in bug.user and bug.followup
+
+
+def test_heldout_and_train_prompts_never_share_a_document():
+    for source in ("kjv", "champ", "humaneval"):          # the real documents (stdlib: below)
+        docs = {s: {p.doc for p in corpus.build_prompts(s, 0, [source])[0]} for s in data.SPLITS}
+        assert docs["train"] and docs["heldout"] and not docs["train"] & docs["heldout"]
+    for split in data.SPLITS:                             # prompts only from their split
+        names = {d["name"] for s in data.SOURCES for d in fake_documents(s, split)}
+        assert {p.doc for p in corpus.build_prompts(split, 0, documents=fake_documents)[0]} <= names
+
+
+def test_stdlib_prompts_document_strips_the_docstring_and_find_bug_changes_one_token():
+    prompts, _ = corpus.build_prompts("train", 0, ["stdlib"], documents=fake_documents)
+    doc = next(p for p in prompts if p.kind == "document")
+    assert '"""' not in doc.user and "return x + y" in doc.user
+    bug = next(p for p in prompts if p.kind == "find_bug")
+    code = bug.user.split("```python\n")[1].split("\n```")[0]
+    n = int(code.split("(")[0][5:])
+    original = FUNCTION.format(n=n).rstrip("\n")
+    assert code != original and len(code.split()) == len(original.split())
+    assert sum(a != b for a, b in zip(code.split(), original.split())) == 1
+
+
+# ----- batched generation --------------------------------------------------------------------------
+def test_batched_greedy_generation_matches_unbatched(target):
+    model, tok = target
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15], [16, 17, 18, 19, 20]]
+    batched = corpus.generate_batch(model, prompts, 8, pad_token_id=1, eos_token_id=None)
+    for p, b in zip(prompts, batched):
+        alone = corpus.generate_batch(model, [p], 8, pad_token_id=1, eos_token_id=None)[0]
+        assert len(b) == len(alone) == 8
+        assert b[:4] == alone[:4]
+    # the logits of a left-padded row equal the unpadded row's (padding is masked out)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[1] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        padded = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        for i, p in enumerate(prompts):
+            alone = model(input_ids=torch.tensor([p])).logits[0, -1]
+            torch.testing.assert_close(padded[i], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_batches_are_reproducible_and_differ_from_greedy(target):
+    model, _ = target
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    kw = dict(pad_token_id=1, eos_token_id=None, temperature=5.0, top_p=1.0)
+    a = corpus.generate_batch(model, prompts, 16, seed=3, **kw)
+    assert a == corpus.generate_batch(model, prompts, 16, seed=3, **kw)
+    assert a != corpus.generate_batch(model, prompts, 16, pad_token_id=1, eos_token_id=None)
+
+
+def test_plain_text_fallback_without_chat_template():
+    tok = tiny_tokenizer(chat_template=False)
+    ids = corpus.render(tok, [{"role": "user", "content": "the lord"}])
+    assert tok.decode(ids).split() == ["user", ":", "the", "lord", "assistant", ":"]
+
+
+# ----- shards, manifest, resume ---------------------------------------------------------------------------
+def test_write_and_read_shard_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    for vocab in (300, 100_000):                      # uint16 and int32 storage
+        seqs = [rng.integers(0, vocab, n).tolist() for n in (3, 10, 1)]
+        masks = [rng.integers(0, 2, len(s)).tolist() for s in seqs]
+        path = tmp_path / f"shard_{vocab}.npz"
+        corpus.write_shard(path, seqs, masks, [0, 1, 2], vocab)
+        got_seqs, got_masks = corpus.read_shard(path)
+        assert [s.tolist() for s in got_seqs] == seqs
+        assert [m.tolist() for m in got_masks] == [[bool(x) for x in m] for m in masks]
+        assert got_seqs[0].dtype == np.int64 and got_masks[0].dtype == bool
+    with pytest.raises(ValueError, match="mask of 2"):
+        corpus.write_shard(tmp_path / "bad.npz", [[1, 2, 3]], [[0, 1]], [0], 10)
+    assert list(tmp_path.glob(".*")) == []            # no temporary left behind
+
+
+def test_corpus_shards_round_trip_through_load_and_the_manifest_counts_them(target, tmp_path):
+    model, tok = target
+    manifest = run(model, tok, tmp_path / "c")
+    assert [s["split"] for s in manifest["shards"]] == ["train", "heldout", "train"]
+    assert (tmp_path / "c" / "train" / "shard_00001.npz").exists()
+    assert (tmp_path / "c" / "heldout" / "shard_00000.npz").exists()
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text()) == manifest
+    for split in data.SPLITS:
+        c = corpus.load(tmp_path / "c", split)
+        counts = manifest["counts"][split]
+        assert counts["sequences"] == len(c) == len(c.masks) == len(c.records)
+        assert counts["response_tokens"] == sum(int(m.sum()) for m in c.masks)
+        assert counts["prompt_tokens"] == sum(int((~m).sum()) for m in c.masks)
+        assert counts["followups"] == sum(r["turns"] == 2 for r in c.records) > 0
+        direct = [s for sh in manifest["shards"] if sh["split"] == split
+                  for s in corpus.read_shard(tmp_path / "c" / sh["file"])[0]]
+        assert all(np.array_equal(a, b) for a, b in zip(direct, c.sequences))
+        # every batch: `batch` prompts; greedy and sampled (seeded) batches both present
+        temps = {r["temperature"] for r in c.records}
+        assert temps == {0.0, SETTINGS.temperature}
+        assert all(r["seed"] is not None for r in c.records if r["temperature"] > 0)
+    sizes = [b["size"] for s in manifest["shards"] for b in s["batches"]]
+    assert set(sizes) == {SETTINGS.batch}
+    # the manifest says which documents each split holds: disjoint
+    docs = manifest["splits"]
+    for source in data.SOURCES:
+        assert not set(docs["train"]["documents"].get(source, [])) & set(
+            docs["heldout"]["documents"].get(source, []))
+    assert {r["doc"] for r in corpus.load(tmp_path / "c", "heldout").records} <= {
+        d["name"] for s in data.SOURCES for d in fake_documents(s, "heldout")}
+    assert manifest["target"]["sha256"] == "ab" * 32
+    assert manifest["throughput"]["response_tokens_per_s"] > 0
+
+
+def test_response_mask_marks_exactly_the_generated_tokens(target, tmp_path):
+    model, tok = target
+    run(model, tok, tmp_path / "c", max_shards=1)
+    prompts, _ = corpus.build_prompts("train", SETTINGS.seed, documents=fake_documents)
+    c = corpus.load(tmp_path / "c", "train")
+    first = {r["prompt"]: (s, m) for s, m, r in zip(c.sequences, c.masks, c.records)
+             if r["turns"] == 1}
+    assert any(r["turns"] == 2 for r in c.records)
+    for seq, mask, rec in zip(c.sequences, c.masks, c.records):
+        n = int(mask.sum())
+        assert n >= 1 and mask[-n:].all() and not mask[:-n].any()     # a suffix
+        prompt, response = seq[:-n].tolist(), seq[-n:].tolist()
+        p = prompts[rec["prompt"]]
+        messages = [{"role": "user", "content": p.user}]
+        if rec["turns"] == 2:      # after the target's first answer, a second user turn
+            s1, m1 = first[rec["prompt"]]
+            messages += [{"role": "assistant",
+                          "content": tok.decode(s1[m1].tolist(), skip_special_tokens=True)},
+                         {"role": "user", "content": p.followup}]
+        assert prompt == corpus.render(tok, messages)
+        assert response[-1] == tok.eos_token_id or n == SETTINGS.max_new_tokens
+        assert tok.eos_token_id not in response[:-1]
+        if rec["temperature"] == 0:                   # greedy: the target's own tokens
+            alone = corpus.generate_batch(model, [prompt], SETTINGS.max_new_tokens,
+                                          pad_token_id=1, eos_token_id=tok.eos_token_id)[0]
+            assert response[:4] == alone[:4]
+
+
+def test_resumed_run_gives_the_same_corpus_as_an_uninterrupted_one(target, tmp_path):
+    model, tok = target
+    run(model, tok, tmp_path / "whole", max_shards=3)
+    run(model, tok, tmp_path / "resumed", max_shards=1)
+    assert len(corpus.read_manifest(tmp_path / "resumed")["shards"]) == 1
+    run(model, tok, tmp_path / "resumed", max_shards=2)
+    same_corpus(tmp_path / "whole", tmp_path / "resumed")
+    # --tokens: a rerun with a reached target adds nothing
+    done = corpus.read_manifest(tmp_path / "whole")["counts"]["train"]["response_tokens"]
+    m = run(model, tok, tmp_path / "whole", tokens=done, max_shards=None)
+    assert len(m["shards"]) == 3
+
+
+def test_resume_refuses_other_settings_or_target(target, tmp_path):
+    model, tok = target
+    run(model, tok, tmp_path / "c", max_shards=1)
+    other = dataclasses.replace(SETTINGS, batch=5)
+    with pytest.raises(ValueError, match="--batch 5"):
+        corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, other,
+                               documents=fake_documents, progress=False,
+                               provenance={"sha256": "ab" * 32})
+    with pytest.raises(ValueError, match="--target"):
+        corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, SETTINGS,
+                               documents=fake_documents, progress=False,
+                               provenance={"sha256": "cd" * 32})
+
+
+def test_a_crash_mid_shard_leaves_the_manifest_intact_and_the_rerun_completes(
+        target, tmp_path, monkeypatch):
+    model, tok = target
+    out = tmp_path / "c"
+    run(model, tok, out, max_shards=1)
+    before = (out / "manifest.json").read_text()
+    real = np.savez_compressed
+
+    def killed(f, **arrays):           # half a file, then the process "dies"
+        f.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(np, "savez_compressed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run(model, tok, out, max_shards=1)
+    monkeypatch.setattr(np, "savez_compressed", real)
+    assert list(out.glob("*/.shard_*.tmp-*"))                 # the temporary is left behind
+    assert (out / "manifest.json").read_text() == before      # the manifest is untouched
+    assert len(corpus.load(out, "train")) > 0
+    # a shard renamed but never listed (killed before the manifest was rewritten) is ignored
+    (out / "heldout").mkdir(exist_ok=True)
+    (out / "heldout" / "shard_00000.npz").write_bytes(b"garbage")
+    run(model, tok, out, max_shards=2)
+    assert not list(out.glob("*/.*.tmp-*"))
+    run(model, tok, tmp_path / "whole", max_shards=3)
+    same_corpus(out, tmp_path / "whole")
+
+
+# ----- the command line ----------------------------------------------------------------------------------
+@pytest.fixture
+def checkpoint(tmp_path):
+    folder = tmp_path / "tiny-target"
+    tok = tiny_tokenizer()
+    tiny_target(vocab=len(tok), eos_token_id=1).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_data_generate_command_writes_and_resumes_a_corpus(checkpoint, tmp_path, monkeypatch,
+                                                           capsys):
+    monkeypatch.setattr(data, "documents", fake_documents)
+    argv = ["data", "generate", "--out", str(tmp_path / "c"), "--tokens", "1", "--batch", "4",
+            "--max-new-tokens", "8", "--max-seq-len", "256", "--batches-per-shard", "1",
+            "--threads", "1", "--target", str(checkpoint)]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    done = report["counts"]["train"]["response_tokens"]
+    assert done >= 1 and report["shards"] == 1
+    manifest = corpus.read_manifest(tmp_path / "c")
+    assert manifest["target"]["sha256"]                    # of the folder's weights
+    assert cli.main(argv[:5] + [str(done + 1)] + argv[6:]) == 0      # resumes: one more shard
+    report = json.loads(capsys.readouterr().out)
+    assert report["counts"]["train"]["response_tokens"] > done and report["shards"] == 2
+    with pytest.raises(SystemExit, match="--batch 5"):      # resume with other settings
+        cli.main(argv[:7] + ["5"] + argv[8:])
+
+
+@pytest.mark.parametrize("flag, value", [("--tokens", "0"), ("--batch", "0"),
+                                         ("--max-new-tokens", "0"), ("--threads", "0"),
+                                         ("--batches-per-shard", "0"), ("--max-seq-len", "0"),
+                                         ("--heldout-every", "1"), ("--top-p", "0"),
+                                         ("--temperature", "0"), ("--max-new-tokens", "2000")])
+def test_data_generate_rejects_bad_values_naming_the_flag(flag, value, capsys):
+    argv = ["data", "generate", "--out", "x", "--tokens", "5"]
+    if flag == "--tokens":
+        argv = argv[:-2]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv + [flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
