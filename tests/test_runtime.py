@@ -27,6 +27,20 @@ def models():
     return runtime, ref32, ref64
 
 
+def _tree_mask(P: int):
+    """Root (the last committed token, at P) + 4 nodes: 0 and 1 children of the root, 2 of 0, 3
+    of 2. Returns the (5, P + 5) bool mask (prefix, root, ancestors, self) and node depths."""
+    parents, depths = [-1, -1, 0, 2], [1, 1, 2, 3]
+    mask = torch.zeros(5, P + 5, dtype=torch.bool)
+    mask[:, :P + 1] = True
+    for i, p in enumerate(parents):
+        mask[1 + i, P + 1 + i] = True
+        while p >= 0:
+            mask[1 + i, P + 1 + p] = True
+            p = parents[p]
+    return mask, depths
+
+
 def _hf(model, ids, cache, **kw):
     with torch.no_grad():
         return model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, **kw)
@@ -58,14 +72,7 @@ def test_prefill_chain_and_tree_steps_match_the_hf_forward(models):
     assert_close_spec(out.logits, r64.logits[0], r32.logits[0], "chain logits")
     # a tree over [last ; 4 nodes]: node 0 and 1 children of the root, 2 of 0, 3 of 2
     P = runtime.length
-    parents, depths = [-1, -1, 0, 2], [1, 1, 2, 3]
-    mask = torch.zeros(5, P + 5, dtype=torch.bool)
-    mask[:, :P + 1] = True
-    for i, p in enumerate(parents):
-        mask[1 + i, P + 1 + i] = True
-        while p >= 0:
-            mask[1 + i, P + 1 + p] = True
-            p = parents[p]
+    mask, depths = _tree_mask(P)
     pos = torch.tensor([[P] + [P + d for d in depths]])
     tree = torch.randint(0, 256, (1, 5), generator=g)
     out = runtime.forward(tree, attention_mask=mask[None, None], position_ids=pos)
@@ -93,14 +100,7 @@ def test_crop_and_keep_leave_the_cache_of_a_fresh_forward(models):
     kept = torch.cat([prompt, block[:, :3]], 1)
     # a tree step: root + nodes (chain 0 -> 2 -> 3 with a sibling 1), keep the path 0, 2, 3
     P = runtime.length
-    parents, depths = [-1, -1, 0, 2], [1, 1, 2, 3]
-    mask = torch.zeros(5, P + 5, dtype=torch.bool)
-    mask[:, :P + 1] = True
-    for i, p in enumerate(parents):
-        mask[1 + i, P + 1 + i] = True
-        while p >= 0:
-            mask[1 + i, P + 1 + p] = True
-            p = parents[p]
+    mask, depths = _tree_mask(P)
     tree = torch.randint(0, 256, (1, 5), generator=g)
     pos = torch.tensor([[P] + [P + d for d in depths]])
     runtime.forward(tree, attention_mask=mask[None, None], position_ids=pos)
