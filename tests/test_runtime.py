@@ -203,3 +203,18 @@ def test_draft_head_tracks_the_target_head():
         torch.testing.assert_close(drafter.head(target, h), want, rtol=1e-5, atol=1e-5)
         head.weight.mul_(2.0)                       # the cached rows must follow
         torch.testing.assert_close(drafter.head(target, h), 2 * want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_follows_a_dtype_cast():
+    """Cast after packing (model.to(bfloat16)): the output is the bfloat16 layer's, packed where
+    oneDNN can and F.linear elsewhere."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(32, 24, bias=False)
+    packed = PackedLinear(lin, use_packed=(True, True)).to(torch.bfloat16)
+    x = torch.randn(5, 32, generator=g).bfloat16()
+    with torch.no_grad():
+        out = packed(x)
+        want = F.linear(x, lin.weight)
+    assert out.dtype == torch.bfloat16
+    ref64 = x.double() @ lin.weight.double().t()
+    assert_close_spec(out, ref64, want, "cast packed linear", atol=1e-2)

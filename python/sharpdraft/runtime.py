@@ -171,23 +171,29 @@ class PackedLinear(nn.Linear):
         self.use_packed = tuple(use_packed)
         self.repack()
 
+    def _version(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype, w.device)
+
     def repack(self) -> None:
-        """Pack the current weight (done again automatically once the weight changes in place,
-        e.g. by an optimizer step: its version counter moves)."""
+        """Pack the current weight (None where oneDNN cannot: another device or dtype). Done
+        again automatically once the weight changes (moved, cast, or updated in place by an
+        optimizer step: its version counter moves)."""
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                   _PACK_ROWS)
-        self.packed_version = (self.weight.data_ptr(), self.weight._version, self.weight.dtype)
+            self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+                                                                    _PACK_ROWS)
+                           if _packable(self.weight) else None)
+        self.packed_version = self._version()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if (not self.use_packed[rows > 1] or x.dtype != self.weight.dtype
-                or x.device.type != "cpu" or rows == 0 or not _packable(self.weight)
+        if (not self.use_packed[rows > 1] or x.dtype != self.weight.dtype or rows == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
-        if self.packed_version != (self.weight.data_ptr(), self.weight._version,
-                                   self.weight.dtype):
+        if self.packed_version != self._version():
             self.repack()
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
         out = _packed_linear(x.reshape(rows, x.shape[-1]), self.packed,
                              None if self.bias is None else self.bias.detach())
         return out.view(*x.shape[:-1], self.out_features)
@@ -280,17 +286,25 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
     return (torch.bfloat16 if faster else torch.float32), ms
 
 
+def as_packed(linear: nn.Module, plan: Dict[tuple, tuple]) -> nn.Module:
+    """`linear` as a `PackedLinear` sharing its parameters where `plan` (see `plan_linears`)
+    packs its shape at some row count; else `linear` itself."""
+    if type(linear) is not nn.Linear or not _packable(linear.weight):
+        return linear
+    choice = plan.get((linear.out_features, linear.in_features, linear.weight.dtype))
+    return PackedLinear(linear, choice) if choice and any(choice) else linear
+
+
 def pack_linears(model: nn.Module, plan: Dict[tuple, tuple]) -> int:
-    """Replace every CPU `nn.Linear` of `model` that `plan` covers by a `PackedLinear` sharing
-    its parameters (tied weights stay tied). Returns the number replaced."""
+    """Replace every CPU `nn.Linear` below `model` that `plan` packs by a `PackedLinear`
+    sharing its parameters (tied weights stay tied). Returns the number replaced."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and _packable(child.weight):
-                key = (child.out_features, child.in_features, child.weight.dtype)
-                if key in plan and any(plan[key]):
-                    setattr(parent, name, PackedLinear(child, plan[key]))
-                    count += 1
+            new = as_packed(child, plan)
+            if new is not child:
+                setattr(parent, name, new)
+                count += 1
     return count
 
 
@@ -311,6 +325,24 @@ def _decoder(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
+def hidden_state_modules(model: nn.Module, indices: Iterable[int]) -> Dict[int, nn.Module]:
+    """{index: the module whose output is hidden state `index`} (transformers'
+    output_hidden_states numbering, see `captured_hidden_states`).
+
+    Raises:
+        ValueError: an index outside [0, num_layers].
+    """
+    decoder = _decoder(model)
+    layers = len(decoder.layers)
+    modules = {}
+    for i in sorted(set(int(i) for i in indices)):
+        if not 0 <= i <= layers:
+            raise ValueError(f"hidden_layers: index {i} outside [0, {layers}]")
+        modules[i] = (decoder.embed_tokens if i == 0 else decoder.norm if i == layers
+                      else decoder.layers[i - 1])
+    return modules
+
+
 @contextmanager
 def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
     """Within the block, every forward of `model` stores the hidden states of `indices`
@@ -321,8 +353,6 @@ def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
     Raises:
         ValueError: an index outside [0, num_layers].
     """
-    decoder = _decoder(model)
-    layers = len(decoder.layers)
     captured: Dict[int, torch.Tensor] = {}
     handles = []
 
@@ -331,11 +361,7 @@ def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
             captured[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    for i in sorted(set(int(i) for i in indices)):
-        if not 0 <= i <= layers:
-            raise ValueError(f"hidden_layers: index {i} outside [0, {layers}]")
-        module = (decoder.embed_tokens if i == 0 else decoder.norm if i == layers
-                  else decoder.layers[i - 1])
+    for i, module in hidden_state_modules(model, indices).items():
         handles.append(module.register_forward_hook(grab(i)))
     try:
         yield captured
@@ -389,10 +415,7 @@ class TargetRuntime:
 
     def __init__(self, model: nn.Module, hidden_layers: Iterable[int] = (), pack: bool = True):
         self.num_layers = len(_decoder(model).layers)
-        self.hidden_layers = sorted(set(int(i) for i in hidden_layers))
-        for i in self.hidden_layers:
-            if not 0 <= i <= self.num_layers:
-                raise ValueError(f"hidden_layers: index {i} outside [0, {self.num_layers}]")
+        self.hidden_layers = list(hidden_state_modules(model, hidden_layers))  # checked first
         self.model = prepare_target(model, pack=pack)
         self.cache: Optional[PreallocatedCache] = None
 

@@ -29,6 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
+from ..runtime import as_packed, plan_linears
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -193,23 +195,18 @@ class Drafter(nn.Module):
         """The target LM head's rows d2t as one linear layer (prepacked like the target's, see
         sharpdraft.runtime), gathered once and again only when the head's weight, its dtype
         or d2t change, instead of gathering (draft vocab x hidden) floats on every call."""
-        from ..runtime import pack_linears, plan_linears
-
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
         cached = self.__dict__.get("_draft_head_cache")
         if cached is None or cached[0] != key:
             bias = getattr(lm_head, "bias", None)
-            holder = nn.Module()
-            holder.linear = nn.Linear(w.shape[1], self.d2t.numel(), bias=bias is not None,
-                                      device=w.device, dtype=w.dtype)
+            linear = nn.Linear(w.shape[1], self.d2t.numel(), bias=bias is not None,
+                               device=w.device, dtype=w.dtype).requires_grad_(False)
             with torch.no_grad():
-                holder.linear.weight.copy_(w[self.d2t])
+                linear.weight.copy_(w[self.d2t])
                 if bias is not None:
-                    holder.linear.bias.copy_(bias[self.d2t])
-            holder.requires_grad_(False)
-            pack_linears(holder, plan_linears(holder))
-            cached = (key, holder.linear)
+                    linear.bias.copy_(bias[self.d2t])
+            cached = (key, as_packed(linear, plan_linears(linear)))
             self.__dict__["_draft_head_cache"] = cached     # not a submodule: no state_dict
         return cached[1]
 
