@@ -307,44 +307,97 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: Optional[torch.Generator], candidates: int = 64) -> torch.Tensor:
+    """Next token ids (B,) from last-row logits (B, V): argmax when temperature is 0, else a
+    draw from softmax(logits / temperature) restricted to the smallest set of most likely
+    tokens whose probability reaches `top_p` (nucleus; the most likely token always stays).
+
+    The nucleus is searched among the `candidates` most likely tokens first; a row whose
+    nucleus is larger takes the full sort, so the distribution is exactly the nucleus one."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    k = probs.shape[-1] if top_p >= 1.0 else min(candidates, probs.shape[-1])
+    kept, order = probs.topk(k, dim=-1)
+    if top_p < 1.0 and not bool((kept.sum(-1) >= top_p).all()):
+        kept, order = probs.sort(dim=-1, descending=True)
+    if top_p < 1.0:
+        kept = kept.masked_fill(kept.cumsum(-1) - kept >= top_p, 0.0)
+    pick = torch.multinomial(kept, 1, generator=generator)
+    return order.gather(-1, pick).squeeze(-1)
+
+
+def _take_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows `rows` of every layer of a PreallocatedCache (a new, smaller
+    buffer per layer; done only when enough rows have finished to pay for the copy)."""
+    for layer in cache.layers:
+        if layer.is_initialized:
+            layer.key_buffer = layer.key_buffer.index_select(0, rows)
+            layer.value_buffer = layer.value_buffer.index_select(0, rows)
+            layer._views()
+
+
 @torch.no_grad()
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    pad_token_id: int, eos_token_id: Optional[int], temperature: float = 0.0,
                    top_p: float = 1.0, seed: int = 0) -> List[List[int]]:
-    """The model's responses to a batch of prompts, all in one `generate` call (one forward per
-    step for the whole batch), prompts left-padded with `pad_token_id`.
+    """The model's responses to a batch of prompts: one forward per step for the whole batch,
+    prompts left-padded with `pad_token_id` (masked out; position ids count real tokens only),
+    keys and values in a `sharpdraft.runtime.PreallocatedCache` sized for the whole batch, and
+    rows that reached EOS dropped from the batch once a quarter of it has finished.
 
     Args:
-        prompts: B token-id lists (lengths may differ).
+        prompts: B token-id lists (lengths may differ, each >= 1).
         temperature: 0 for greedy; else sampling at this temperature with nucleus `top_p`
-            (torch's global generator seeded with `seed` first; top-k off).
+            (`sample_next`), from a torch.Generator seeded with `seed`.
 
     Returns:
         B lists of generated ids, each cut after its first `eos_token_id` (kept) or at
-        `max_new_tokens`; the padding after an early EOS is dropped.
+        `max_new_tokens`.
     """
-    from transformers import GenerationConfig
+    from .runtime import PreallocatedCache
 
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("prompts: need at least one prompt, each with at least one token")
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    n = len(prompts)
+    device = next(model.parameters()).device
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width + max_new_tokens), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    sample = temperature > 0
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
-                              temperature=temperature if sample else None,
-                              top_p=top_p if sample else None, top_k=0 if sample else None,
-                              pad_token_id=pad_token_id, eos_token_id=eos_token_id)
-    if sample:
-        torch.manual_seed(seed)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    responses = []
-    for row in out[:, width:].tolist():
-        if eos_token_id is not None and eos_token_id in row:
-            row = row[:row.index(eos_token_id) + 1]
-        responses.append(row)
-    return responses
+        mask[i, width - len(p):width] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    cache = PreallocatedCache(model.config.num_hidden_layers, width + max_new_tokens)
+    out: List[List[int]] = [[] for _ in range(n)]
+    live = list(range(n))                  # the prompt index of each batch row
+    finished = [False] * n
+    step_ids, seen = ids, width            # this forward's input ids; positions after it
+    pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    for t in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=mask[:, :seen], position_ids=pos,
+                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = sample_next(logits, temperature, top_p, generator)
+        keep = []
+        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
+            if not finished[i]:
+                out[i].append(tok)
+                finished[i] = tok == eos_token_id
+            if not finished[i]:
+                keep.append(r)
+        if not keep or t == max_new_tokens - 1:
+            break
+        if len(keep) <= 0.75 * len(live):      # compact: drop the finished rows
+            rows = torch.tensor(keep, device=device)
+            _take_rows(cache, rows)
+            mask, nxt, pos = mask.index_select(0, rows), nxt.index_select(0, rows), pos[rows]
+            live = [live[r] for r in keep]
+        mask[:, seen] = 1
+        seen += 1
+        step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+    return out
 
 
 # ----- settings, shards and the manifest ----------------------------------------------------------
