@@ -1,12 +1,15 @@
-"""Training recipe: real-text loaders, feature cache, distillation loss, checkpoint (tiny models)."""
+"""The training package: real-text loaders, the feature cache, distillation losses, the three
+recipes on the shared loop, checkpoints (tiny models)."""
 import json
 
 import pytest
 import torch
 
+import numpy as np
+
 from sharpdraft import data
-from sharpdraft import train_dflash as td
 from sharpdraft.drafters.dflash import DFlashDrafter
+from sharpdraft.training import cache as tc, dflash as td, eagle3 as te, loop, losses, pard as tp
 from sharpdraft.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
@@ -48,6 +51,11 @@ def test_pack_sequences_is_deterministic():
     assert a != c
 
 
+def conversation(seq, prompt_len):
+    """A corpus-style sequence: the first prompt_len tokens are prompt, the rest response."""
+    return list(seq), tc.trained_rows([False] * prompt_len + [True] * (len(seq) - prompt_len))
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     target = tiny_target()
@@ -55,121 +63,236 @@ def setup(tmp_path_factory):
     held_seqs, _ = data.pack_sequences(byte_encoder, 0, "heldout", 2 * 96, 96, seed=0)
     layer_ids = tiny_drafter(target).config.target_layer_ids
     root = tmp_path_factory.mktemp("cache")
+    # train: two packed texts (every row trained) and two conversations of other lengths
+    # (prompt rows context only); held-out: one of each
+    train = [(s, [True] * 95 + [False]) for s in train_seqs[:2]]
+    train += [conversation(train_seqs[2][:80], 30), conversation(train_seqs[3][:64], 20)]
+    held = [(held_seqs[0], [True] * 95 + [False]), conversation(held_seqs[1][:72], 24)]
     caches = []
-    for name, seqs in (("train", train_seqs[:3]), ("held", held_seqs[:2])):
-        c = td.FeatureCache(root / name)
-        c.build(target, seqs, layer_ids, 8, {"split": name})
+    for name, items in (("train", train), ("held", held)):
+        c = tc.FeatureCache(root / name)
+        c.build(target, [s for s, _ in items], [m for _, m in items], layer_ids, 8,
+                {"split": name}, progress=False)
         caches.append(c)
-    return target, train_seqs[:3], layer_ids, caches, root
+    return target, [s for s, _ in train], layer_ids, caches, root
 
 
-def test_cache_roundtrip(setup):
+def test_trained_rows_by_hand():
+    assert tc.trained_rows([0, 0, 1, 1]).tolist() == [False, True, True, False]
+    assert tc.trained_rows([1, 1, 1]).tolist() == [True, True, False]
+
+
+def test_cache_roundtrip_varlen_memory_mapped(setup):
     target, seqs, layer_ids, (train_c, _), _ = setup
     assert train_c.complete()
-    loaded = train_c.load()
-    assert loaded["ids"].tolist() == seqs
-    f, p, i = td.compute_features(target, torch.tensor(seqs[1:2]), layer_ids, 8)
-    assert torch.equal(loaded["feats"][1:2], f) and torch.equal(loaded["top_i"][1:2], i)
-    assert torch.equal(loaded["top_p"][1:2], p)
+    fs = train_c.load()
+    assert len(fs) == 4 and fs.lengths.tolist() == [96, 96, 80, 64]
+    assert [fs[s]["ids"].tolist() for s in range(4)] == seqs
+    assert fs[2]["trained"].tolist() == tc.trained_rows([0] * 30 + [1] * 50).tolist()
+    assert isinstance(fs._shards[0]["feats"], np.memmap)          # read from disk, not loaded
+    for s in (1, 3):
+        f, p, i = tc.compute_features(target, torch.tensor([seqs[s]]), layer_ids, 8)
+        assert torch.equal(fs[s]["feats"], f[0]) and torch.equal(fs[s]["top_i"], i[0])
+        assert torch.equal(fs[s]["top_p"], p[0])
     # the cached features are the drafter's context features (float16)
     with torch.no_grad():
-        hs = target(torch.tensor(seqs[1:2]), output_hidden_states=True).hidden_states
+        hs = target(torch.tensor(seqs[3:4]), output_hidden_states=True).hidden_states
     ref = tiny_drafter(target).context_features(hs)
-    torch.testing.assert_close(loaded["feats"][1].float(), ref[0], atol=2e-3, rtol=2e-3)
-    assert json.loads((train_c.folder / "meta.json").read_text())["sequences"] == 3
+    torch.testing.assert_close(fs[3]["feats"].float(), ref[0], atol=2e-3, rtol=2e-3)
+    meta = json.loads((train_c.folder / "meta.json").read_text())
+    assert meta["sequences"] == 4 and meta["rows"] == 336
     # the top-k targets are those of the full logits, however the LM head is chunked
     with torch.no_grad():
         full = torch.softmax(target(torch.tensor(seqs[1:2])).logits.float(), -1).topk(8, -1)
     for rows in (7, 1000):
-        _, p_c, i_c = td.compute_features(target, torch.tensor(seqs[1:2]), layer_ids, 8,
+        _, p_c, i_c = tc.compute_features(target, torch.tensor(seqs[1:2]), layer_ids, 8,
                                           rows_per_chunk=rows)
         assert torch.equal(i_c, full.indices.int())
         torch.testing.assert_close(p_c.float(), full.values, atol=1e-3, rtol=1e-3)
 
 
+def test_cache_build_resumes_at_the_missing_shard(tmp_path, monkeypatch):
+    target = tiny_target()
+    seqs = [[(7 * i + j) % 250 + 1 for j in range(20 + i)] for i in range(tc.SHARD_SEQUENCES + 3)]
+    flags = [[True] * (len(s) - 1) + [False] for s in seqs]
+    c = tc.FeatureCache(tmp_path / "c")
+    c.build(target, seqs, flags, [0, 2], 4, {}, progress=False)
+    first = c.load()[0]["feats"].clone()
+    (tmp_path / "c" / "meta.json").unlink()
+    (tmp_path / "c" / "shard_00001.offsets.npy").unlink()      # shard 1 never finished
+    calls = []
+    real = tc.compute_features
+    monkeypatch.setattr(tc, "compute_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c.build(target, seqs, flags, [0, 2], 4, {}, progress=False)
+    assert len(calls) == 3 and c.complete()                     # only shard 1's 3 sequences
+    fs = c.load()
+    assert len(fs) == len(seqs) and torch.equal(fs[0]["feats"], first)
+    assert fs[len(seqs) - 1]["ids"].tolist() == seqs[-1]
+    assert not list((tmp_path / "c").glob("*.partial*"))
+    with pytest.raises(ValueError, match="trained"):
+        c.build(target, seqs[:1], [[True]], [0, 2], 4, {}, progress=False)
+
+
 def test_distill_loss_and_weights():
-    w = td.position_weights(5, 2.0)
+    w = losses.position_weights(5, 2.0)
     torch.testing.assert_close(w, torch.exp(-torch.arange(4.0) / 2.0))
     logits = torch.randn(3, 4, 10)
     top_p, top_i = torch.softmax(logits, -1).topk(10, dim=-1)
-    loss, per_row = td.distill_loss(logits, top_p, top_i, w)
+    loss, per_row = losses.distill_loss(logits, top_p, top_i, w)
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean(0)
     torch.testing.assert_close(per_row, entropy)   # full distribution: CE = entropy (KL = 0)
-    anchors = td.sample_anchors(40, 5, 8, torch.Generator().manual_seed(0))
-    assert len(set(anchors.tolist())) == 8 and anchors.min() >= 1 and anchors.max() <= 35
+    torch.testing.assert_close(loss, (entropy * w).sum() / w.sum())
+
+
+def test_distill_loss_ignores_rows_that_are_not_training_targets():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 12, generator=g, dtype=torch.float64)
+    top_p, top_i = torch.softmax(torch.randn(4, 3, 12, generator=g), -1).topk(5, dim=-1)
+    valid = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    w = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    loss, per_row = losses.distill_loss(logits, top_p, top_i, w, valid)
+    ce = losses.soft_cross_entropy(logits, top_p, top_i)
+    expect = sum(float(ce[k, j] * w[j]) for k in range(4) for j in range(3) if valid[k, j])
+    expect /= sum(float(w[j]) for k in range(4) for j in range(3) if valid[k, j])
+    assert abs(float(loss) - expect) < 1e-12
+    assert abs(float(per_row[1]) - float(ce[0, 1] + ce[3, 1]) / 2) < 1e-12
+    garbage = logits.clone()
+    garbage[~valid] = 1e3 * torch.randn(int((~valid).sum()), 12, dtype=torch.float64)
+    assert float(losses.distill_loss(garbage, top_p, top_i, w, valid)[0]) == float(loss)
 
 
 def test_draft_vocabulary_and_loss_outside_it():
-    ids = torch.tensor([[5, 5, 5, 7, 7, 2]])
-    top_i = torch.tensor([[[5, 9], [7, 9], [7, 1], [5, 1], [9, 3], [1, 2]]]).int()
-    top_p = torch.tensor([[[0.6, 0.1]] * 6]).half()
+    ids = torch.tensor([5, 5, 5, 7, 7, 2])
+    top_i = torch.tensor([[5, 9], [7, 9], [7, 1], [5, 1], [9, 3], [1, 2]]).int()
+    top_p = torch.tensor([[0.6, 0.1]] * 6).half()
     # counts: 5 -> 3 (ids) + 2 (top-1) + 1.2, 7 -> 2 + 2 + 1.2, 9 -> 1 + 0.2, 1 -> 1 + 0.2, ...
-    d2t = td.draft_vocabulary({"ids": ids, "top_i": top_i, "top_p": top_p}, 3, 12)
+    shards = [{"ids": ids[:4], "top_i": top_i[:4], "top_p": top_p[:4]},
+              {"ids": ids[4:], "top_i": top_i[4:], "top_p": top_p[4:]}]
+    d2t = losses.draft_vocabulary(shards, 3, 12)
     assert d2t.tolist() == [1, 5, 7]
-    t2d = td.target_to_draft(d2t, 12)
+    t2d = losses.target_to_draft(d2t, 12)
     assert t2d[5] == 1 and t2d[9] == -1 and t2d[1] == 0
     with pytest.raises(ValueError, match="draft vocabulary size"):
-        td.draft_vocabulary({"ids": ids, "top_i": top_i, "top_p": top_p}, 13, 12)
+        losses.draft_vocabulary(shards, 13, 12)
     # entries outside the draft vocabulary (-1) drop out and the rest renormalise
     logits = torch.randn(2, 3, 4)
     p = torch.tensor([0.5, 0.3, 0.2]).expand(2, 3, 3)
     i = torch.tensor([2, -1, 0]).expand(2, 3, 3)
-    loss, per_row = td.distill_loss(logits, p, i, torch.ones(3))
+    loss, per_row = losses.distill_loss(logits, p, i, torch.ones(3))
     logq = torch.log_softmax(logits.double(), -1)
     expect = -(0.5 * logq[..., 2] + 0.2 * logq[..., 0]) / 0.7
     torch.testing.assert_close(per_row.double(), expect.mean(0), rtol=1e-5, atol=1e-6)
 
 
-def test_training_lowers_loss_and_checkpoint_drafts(setup):
+def test_anchors_and_windows_fall_on_trained_rows():
+    trained = torch.tensor(tc.trained_rows([0] * 40 + [1] * 24))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = td.sample_anchors(trained, 8, g)
+        assert len(set(a.tolist())) == 8 and bool(trained[a].all()) and a.min() >= 39
+        off = te.window_start(trained, 32, g)
+        assert 0 <= off <= 32 and bool(trained[off:off + 32].any())
+    assert te.window_start(trained, 32) == 32                  # evaluation: the last window
+    curriculum = td.sample_anchors(trained, 4, g, max_anchor=10)  # none that early: earliest
+    assert curriculum.tolist() == [39, 40, 41, 42]
+    with pytest.raises(ValueError, match="no trained row"):
+        td.sample_anchors(torch.zeros(10, dtype=torch.bool), 2, g)
+
+
+def test_lr_schedule_by_hand():
+    assert loop.lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
+    assert loop.lr_at(10, 110, 1.0, 10) == pytest.approx(1.0)
+    assert loop.lr_at(60, 110, 1.0, 10) == pytest.approx(0.5)
+    assert loop.lr_at(20, 110, 1.0, 10, time_frac=1.0) == pytest.approx(0.0)
+
+
+def fit_kw(out):
+    return dict(steps=40, lr=3e-3, warmup=4, eval_every=20, out=out, save_dtype=torch.float32,
+                max_seconds=None, progress=False)
+
+
+def test_dflash_recipe_lowers_loss_and_checkpoint_drafts(setup):
     target, seqs, _, (train_c, held_c), root = setup
     drafter = tiny_drafter(target, block_size=4, train_context=96)
-    out = root / "ckpt"
-    res = td.train(drafter, target, train_c.load(), held_c.load(), steps=40, blocks=8, lr=3e-3,
-                   warmup=4, eval_every=20, eval_blocks=8, out=out, progress=False,
-                   save_dtype=torch.float32, anchor_warmup=0.5, min_context=16)
-    losses = [h["loss"] for h in res["history"]]
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    tr = train_c.load()
+    scale = losses.feature_scale(tr.feature_rows())
+    out = root / "dflash"
+    res = loop.fit(drafter, target,
+                   td.make_loss(drafter, target, tr, blocks=8, gamma=7.0, scale=scale,
+                                anchor_warmup=0.5, min_context=16),
+                   lambda: td.evaluate(drafter, target, held_c.load(), 8, 7.0, scale=scale),
+                   snapshot=lambda: td.folded_drafter(drafter, scale), **fit_kw(out))
+    hist = [h["loss"] for h in res["history"]]
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
     best = res["best"]
     assert len(best["top1_per_position"]) == 3 and 1.0 <= best["tau_proxy"] <= 4.0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["train_context"] == 96 and cfg["block_size"] == 4
+    assert json.loads((out / "training.json").read_text())["best_eval"] == best
+    assert not list(root.glob("dflash.partial"))
     loaded = DFlashDrafter.load(out)
     assert loaded.sharp.n_ref == 96
     # the checkpoint reads raw features: the training-time feature scale is folded into fc
-    feats = train_c.load()["feats"][0].float()
+    feats = tr[0]["feats"].float()
     anchors = torch.tensor([5, 40, 90])
     block = torch.zeros(3, 4, dtype=torch.long)
     with torch.no_grad():
         final = td.folded_drafter(drafter, None)   # the trained weights, scale not folded
         torch.testing.assert_close(
-            td.folded_drafter(drafter, res["feature_scale"]).block_logits(target, feats, block,
-                                                                          anchors),
-            final.block_logits(target, feats * res["feature_scale"], block, anchors),
-            rtol=1e-4, atol=1e-4)
+            td.folded_drafter(drafter, scale).block_logits(target, feats, block, anchors),
+            final.block_logits(target, feats * scale, block, anchors), rtol=1e-4, atol=1e-4)
     prompt = torch.tensor([seqs[0][:20]])
     ar = autoregressive_generate(target, prompt, 12)
     spec = speculative_generate(target, loaded, prompt, 12)
     assert spec.tokens == ar.tokens                           # lossless with the trained drafter
 
 
+def test_recipe_losses_read_only_trained_rows(setup):
+    """Each recipe's loss is unchanged when the target distributions of untrained (prompt)
+    rows are replaced by other ones: the prompt is context, never a target."""
+    from sharpdraft.drafters.pard import PARDConfig, PARDDrafter
+    from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    target, _, layer_ids, (train_c, _), _ = setup
+    fs = train_c.load()
+
+    class Only:               # sequence 2 alone (a conversation: rows < 29 untrained)
+        def __init__(self, top_p=None):
+            self.lengths, self.seq = fs.lengths[2:3], dict(fs[2])
+            if top_p is not None:
+                self.seq["top_p"] = top_p
+        def __len__(self):
+            return 1
+        def __getitem__(self, s):
+            return self.seq
+    other = fs[2]["top_p"].clone()
+    other[~fs[2]["trained"]] = other[~fs[2]["trained"]].flip(-1)
+    dfl = tiny_drafter(target, block_size=4)
+    pard = PARDDrafter(PARDConfig.from_target(target.config, num_layers=2, num_draft_tokens=3))
+    eag = Eagle3Drafter(Eagle3Config.from_target(target.config, target_layer_ids=[layer_ids[1]]))
+    cols = te.fused_columns(layer_ids, [layer_ids[1]], 64)
+    makers = [lambda f: td.make_loss(dfl, target, f, blocks=6, gamma=7.0, scale=None),
+              lambda f: tp.make_loss(pard, target, f, 48, 0.7),
+              lambda f: te.make_loss(eag, target, f, cols, 48, 2, 0.8)]
+    for make in makers:
+        a, b, c = (make(f)(torch.Generator().manual_seed(5), 1.0)[0].detach()
+                   for f in (Only(), Only(other), Only(fs[2]["top_p"].flip(-1))))
+        assert float(a) == float(b) and float(a) != float(c)
+
+
 def test_pard_recipe_lowers_loss_and_checkpoint_drafts(setup):
-    from sharpdraft import train_common, train_pard
     from sharpdraft.drafters.pard import PARDConfig, PARDDrafter
     target, seqs, _, (train_c, held_c), root = setup
     cfg = PARDConfig.from_target(target.config, num_layers=2, num_draft_tokens=3,
                                  train_context=48, draft_vocab_size=64)
     drafter = PARDDrafter(cfg)
     tr = train_c.load()
-    drafter.set_draft_vocab(td.draft_vocabulary(tr, 64, 256))
+    drafter.set_draft_vocab(losses.draft_vocabulary(tr, 64, 256))
     drafter.init_from_target(target)
     out = root / "pard"
-    out.mkdir()
-    res = train_common.fit(drafter, target, train_pard.make_loss(drafter, target, tr, 48, 0.7),
-                           lambda: train_pard.evaluate(drafter, target, held_c.load(), window=48),
-                           steps=40, lr=3e-3, warmup=4, eval_every=20, out=out,
-                           save_dtype=torch.float32, max_seconds=None)
-    losses = [h["loss"] for h in res["history"]]
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    res = loop.fit(drafter, target, tp.make_loss(drafter, target, tr, 48, 0.7),
+                   lambda: tp.evaluate(drafter, target, held_c.load(), window=48), **fit_kw(out))
+    hist = [h["loss"] for h in res["history"]]
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
     assert len(res["best"]["top1_per_position"]) == 3
     assert 1.0 <= res["best"]["tau_proxy"] <= 4.0
     loaded = PARDDrafter.load(out)
@@ -180,34 +303,29 @@ def test_pard_recipe_lowers_loss_and_checkpoint_drafts(setup):
 
 
 def test_copy_losses_by_hand():
-    from sharpdraft.train_pard import copy_losses
     ce = torch.tensor([1.0, 3.0, 2.0, 4.0, 6.0])
-    got = copy_losses(ce, torch.tensor([0, 0, 1, 2, 2]), 4)
+    got = losses.copy_losses(ce, torch.tensor([0, 0, 1, 2, 2]), 4)
     assert got[:3].tolist() == [2.0, 2.0, 5.0] and torch.isnan(got[3])
 
 
 def test_eagle3_recipe_lowers_loss_and_checkpoint_drafts(setup):
-    from sharpdraft import train_common, train_eagle3
     from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
     target, seqs, layer_ids, (train_c, held_c), root = setup
     cfg = Eagle3Config.from_target(target.config, target_layer_ids=[layer_ids[1]],
                                    train_context=64, chain_length=3, draft_vocab_size=64)
     drafter = Eagle3Drafter(cfg)
     tr = train_c.load()
-    drafter.set_draft_vocab(td.draft_vocabulary(tr, 64, 256))
-    cols = train_eagle3.fused_columns(layer_ids, [layer_ids[1]], 64)
-    torch.testing.assert_close(tr["feats"][..., cols], tr["feats"][..., 64:128])
+    drafter.set_draft_vocab(losses.draft_vocabulary(tr, 64, 256))
+    cols = te.fused_columns(layer_ids, [layer_ids[1]], 64)
+    torch.testing.assert_close(tr[0]["feats"][:, cols], tr[0]["feats"][:, 64:128])
     with torch.no_grad():
-        drafter.feature_scale.copy_(td.feature_scale(tr["feats"][..., cols]))
+        drafter.feature_scale.copy_(losses.feature_scale(tr.feature_rows()[:, cols]))
     out = root / "eagle3"
-    out.mkdir()
-    res = train_common.fit(
-        drafter, target, train_eagle3.make_loss(drafter, target, tr, cols, 64, 2, 0.8),
-        lambda: train_eagle3.evaluate(drafter, target, held_c.load(), cols, window=64),
-        steps=40, lr=3e-3, warmup=4, eval_every=20, out=out, save_dtype=torch.float32,
-        max_seconds=None)
-    losses = [h["loss"] for h in res["history"]]
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05
+    res = loop.fit(drafter, target, te.make_loss(drafter, target, tr, cols, 64, 2, 0.8),
+                   lambda: te.evaluate(drafter, target, held_c.load(), cols, window=64),
+                   **fit_kw(out))
+    hist = [h["loss"] for h in res["history"]]
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
     assert len(res["best"]["top1_per_position"]) == 3
     loaded = Eagle3Drafter.load(out)
     torch.testing.assert_close(loaded.feature_scale, drafter.feature_scale)

@@ -312,10 +312,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-results", help="output folder")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
     kinds = t.add_subparsers(dest="drafter", required=True, metavar="{dflash,eagle3,pard}")
-    from . import train_dflash, train_eagle3, train_pard
-    for name, module, what in (("dflash", train_dflash, "a DFlash"), ("eagle3", train_eagle3,
-                               "an EAGLE-3"), ("pard", train_pard, "a PARD")):
-        module.add_arguments(kinds.add_parser(
+    from . import training
+    for name, what in (("dflash", "a DFlash"), ("eagle3", "an EAGLE-3"), ("pard", "a PARD")):
+        training.recipe(name).add_arguments(kinds.add_parser(
             name, help=f"train {what} drafter (recipe: checkpoints/{name}-smollm2/RECIPE.md)",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     d = sub.add_parser("data", help="corpora of the target's own responses")
@@ -427,8 +426,8 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     if args.command == "train":
-        from . import train_dflash, train_eagle3, train_pard
-        {"dflash": train_dflash, "eagle3": train_eagle3, "pard": train_pard}[args.drafter].main(args)
+        from . import training
+        training.recipe(args.drafter).main(args)
         return 0
     report = cmd_generate(args)
     if args.json:

@@ -1,0 +1,258 @@
+"""The feature cache: target forwards computed once per training sequence, memory-mapped.
+
+A training sequence is either a packed run of raw text (`text_sequences`: every position is a
+training target) or a conversation of the self-distilled corpus (`corpus_sequences`: the prompt
+is context only, the target's response is trained on). One target forward per sequence gives
+
+- ``ids`` (T,) int32: the tokens;
+- ``feats`` (T, F * H) float16: the outputs of the target layers the drafters read, side by side;
+- ``top_p`` / ``top_i`` (T, k) float16 / int32: the target's k most likely next tokens at each
+  position (row t is the distribution of token t + 1) and their probabilities;
+- ``trained`` (T,) bool: row t is a training target (token t + 1 is a response token, or any
+  text token; never the last row).
+
+Shards of `SHARD_SEQUENCES` sequences are stored flat (rows of every sequence one after another,
+``offsets`` (n + 1,) int64 their boundaries, the cu_seqlens convention) as one ``.npy`` file per
+field, opened memory-mapped, so a cache larger than memory trains without loading it. A shard is
+written under temporary names and renamed, its ``offsets`` file last (a shard without it does not
+exist); ``meta.json`` written after the last shard marks the cache complete. Building resumes at
+the first missing shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .. import data
+from ..runtime import captured_hidden_states
+
+SHARD_SEQUENCES = 16
+FIELDS = ("ids", "feats", "top_p", "top_i", "trained")
+
+
+@torch.no_grad()
+def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int,
+                     rows_per_chunk: int = 1024):
+    """One target forward over ids (n, L): (features float16 (n, L, F*H), top-k probs float16
+    (n, L, k), top-k ids int32 (n, L, k)); position t's distribution predicts token t + 1.
+
+    Only the layers read are kept (forward hooks, not output_hidden_states), and the LM head
+    runs on `rows_per_chunk` rows at a time, so the full (n, L, vocab) logits never exist."""
+    last = len(target.get_decoder().layers)
+    with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden:
+        target.get_decoder()(input_ids=ids, use_cache=False)
+    feats = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).float()
+    flat = hidden[last].reshape(-1, hidden[last].shape[-1])
+    head = target.get_output_embeddings()
+    tops = [torch.softmax(head(flat[r:r + rows_per_chunk]).float(), dim=-1).topk(topk, dim=-1)
+            for r in range(0, flat.shape[0], rows_per_chunk)]
+    p = torch.cat([t.values for t in tops]).view(*ids.shape, topk)
+    i = torch.cat([t.indices for t in tops]).view(*ids.shape, topk)
+    return (feats.clamp(-65000.0, 65000.0).half(), p.half(), i.int())
+
+
+def trained_rows(response_mask: Sequence[bool]) -> np.ndarray:
+    """(T,) bool: row t is trained when token t + 1 is a response token (never the last row)."""
+    m = np.asarray(response_mask, dtype=bool)
+    out = np.zeros(len(m), dtype=bool)
+    out[:-1] = m[1:]
+    return out
+
+
+class FeatureSet:
+    """A read-only view of a built cache: `len(fs)` sequences, `fs[s]` one of them as a dict of
+    torch tensors (`FIELDS`, each (T_s, ...)), `fs.lengths` (n,) int64, `fs.shards()` the flat
+    per-shard tensors (for corpus-wide statistics)."""
+
+    def __init__(self, shards: List[Dict[str, np.ndarray]]):
+        if not shards:
+            raise FileNotFoundError("the feature cache holds no shards")
+        self._shards = shards
+        self._where: List[Tuple[int, int]] = []
+        for k, sh in enumerate(shards):
+            self._where += [(k, j) for j in range(len(sh["offsets"]) - 1)]
+        self.lengths = torch.tensor([int(sh["offsets"][j + 1] - sh["offsets"][j])
+                                     for k, sh in enumerate(shards)
+                                     for j in range(len(sh["offsets"]) - 1)], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, s: int) -> Dict[str, torch.Tensor]:
+        k, j = self._where[s]
+        sh = self._shards[k]
+        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
+        return {f: _tensor(sh[f][a:b]) for f in FIELDS}
+
+    def shards(self) -> Iterator[Dict[str, torch.Tensor]]:
+        for sh in self._shards:
+            yield {f: _tensor(sh[f]) for f in FIELDS}
+
+    @property
+    def feature_width(self) -> int:
+        return int(self._shards[0]["feats"].shape[-1])
+
+    def feature_rows(self, max_rows: int = 65536) -> torch.Tensor:
+        """Up to `max_rows` feature rows (float32), position 0 of every sequence left out (the
+        target's attention sink carries outsized activations there)."""
+        rows, n = [], 0
+        for s in range(len(self)):
+            f = self[s]["feats"][1:]
+            rows.append(f[:max_rows - n].float())
+            n += rows[-1].shape[0]
+            if n >= max_rows:
+                break
+        return torch.cat(rows)
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():           # memory-mapped arrays are read-only: never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class FeatureCache:
+    """The cache folder of one list of sequences (see the module docstring)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def complete(self) -> bool:
+        return (self.folder / "meta.json").exists()
+
+    def _path(self, k: int, field: str) -> Path:
+        return self.folder / f"shard_{k:05d}.{field}.npy"
+
+    def build(self, target, sequences: Sequence[Sequence[int]],
+              trained: Sequence[Sequence[bool]], layer_ids: List[int], topk: int, meta: dict,
+              desc: str = "caching target features", progress: bool = True) -> None:
+        """Compute the missing shards (resumable), then write meta.json.
+
+        Args:
+            sequences: token ids of each sequence (one target forward each).
+            trained: per sequence, (T,) bools: which rows are training targets
+                (`trained_rows` of a response mask; all but the last for raw text).
+
+        Raises:
+            ValueError: a `trained` entry whose length differs from its sequence's.
+        """
+        for s, m in zip(sequences, trained):
+            if len(s) != len(m):
+                raise ValueError(f"trained: {len(m)} flags for a sequence of {len(s)} tokens")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        n_shards = math.ceil(len(sequences) / SHARD_SEQUENCES)
+        with tqdm(total=sum(map(len, sequences)), desc=desc, unit="tok", file=sys.stderr,
+                  disable=not progress, dynamic_ncols=True) as bar:
+            for k in range(n_shards):
+                part = range(k * SHARD_SEQUENCES, min(len(sequences), (k + 1) * SHARD_SEQUENCES))
+                if not self._path(k, "offsets").exists():
+                    self._write_shard(k, target, [sequences[s] for s in part],
+                                      [trained[s] for s in part], layer_ids, topk)
+                bar.update(sum(len(sequences[s]) for s in part))
+        tmp = self.folder / "meta.json.partial"
+        tmp.write_text(json.dumps({**meta, "sequences": len(sequences),
+                                   "rows": int(sum(map(len, sequences)))}, indent=2))
+        os.replace(tmp, self.folder / "meta.json")
+
+    def _write_shard(self, k, target, sequences, trained, layer_ids, topk) -> None:
+        parts: Dict[str, list] = {f: [] for f in FIELDS}
+        for seq, tr in zip(sequences, trained):        # one sequence per forward: bounded memory
+            ids = torch.tensor([list(seq)], dtype=torch.long)
+            f, p, i = compute_features(target, ids, layer_ids, topk)
+            parts["ids"].append(np.asarray(seq, dtype=np.int32))
+            parts["feats"].append(f[0].numpy())
+            parts["top_p"].append(p[0].numpy())
+            parts["top_i"].append(i[0].numpy())
+            parts["trained"].append(np.asarray(tr, dtype=bool))
+        lengths = [len(s) for s in sequences]
+        arrays = {f: np.concatenate(v) for f, v in parts.items()}
+        arrays["offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        for field in (*FIELDS, "offsets"):             # offsets last: it marks the shard written
+            tmp = self._path(k, field).with_suffix(".partial.npy")
+            np.save(tmp, arrays[field])
+            os.replace(tmp, self._path(k, field))
+
+    def load(self) -> FeatureSet:
+        """The cache's shards, memory-mapped."""
+        shards, k = [], 0
+        while self._path(k, "offsets").exists():
+            shards.append({f: np.load(self._path(k, f), mmap_mode="r")
+                           for f in (*FIELDS, "offsets")})
+            k += 1
+        if not shards:
+            raise FileNotFoundError(f"feature cache {self.folder} holds no shards")
+        return FeatureSet(shards)
+
+
+# ----- training sequences ------------------------------------------------------------------------
+def text_sequences(tokenizer, split: str, tokens: int, seq_len: int, seed: int = 0):
+    """Packed raw text (`sharpdraft.data.pack_sequences`): (sequences, trained flags, meta)."""
+    encode = data.tokenizer_encoder(tokenizer)
+    seqs, counts = data.pack_sequences(encode, tokenizer.eos_token_id, split, tokens, seq_len,
+                                       seed=seed)
+    trained = [[True] * (len(s) - 1) + [False] for s in seqs]
+    return seqs, trained, {"source": "text", "tokens_per_source": counts, "seq_len": seq_len}
+
+
+def corpus_sequences(folder, split: str, tokens: int, max_len: int):
+    """Conversations of a self-distilled corpus (`sharpdraft.corpus`), in corpus order, until
+    `tokens` response tokens: (sequences, trained flags, meta). A conversation longer than
+    `max_len` keeps its last `max_len` tokens (the response is at the end).
+
+    Raises:
+        FileNotFoundError: `folder` holds no corpus, or none of the split.
+    """
+    from .. import corpus
+
+    c = corpus.load(folder, split)
+    if len(c) == 0:
+        raise FileNotFoundError(f"{folder}: the corpus has no {split} sequences")
+    seqs, trained, by_kind, n = [], [], {}, 0
+    for s, m, rec in zip(c.sequences, c.masks, c.records):
+        if n >= tokens:
+            break
+        s, m = s[-max_len:], m[-max_len:]
+        seqs.append(s.tolist())
+        trained.append(trained_rows(m).tolist())
+        kind = f"{rec.get('source')}/{rec.get('kind')}"
+        by_kind[kind] = by_kind.get(kind, 0) + int(m.sum())
+        n += int(m.sum())
+    manifest = corpus.read_manifest(Path(folder)) or {}
+    return seqs, trained, {"source": "corpus", "corpus": str(folder), "max_len": max_len,
+                           "response_tokens": n, "response_tokens_per_kind": by_kind,
+                           "corpus_target_sha256": manifest.get("target", {}).get("sha256")}
+
+
+def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
+                    tokens: int, seq_len: int, topk: int, seed: int = 0,
+                    corpus: Optional[str] = None, home: Optional[Path] = None) -> dict:
+    """Build (once) or reuse the feature cache of one split; returns {"features": FeatureSet,
+    "meta", "folder"}. The cache folder is keyed by everything that determines its content
+    (target, layers, top-k, the sequences' fingerprint), under $SHARPDRAFT_HOME/train_cache."""
+    from ..models import sharpdraft_home
+
+    if corpus:
+        seqs, trained, meta = corpus_sequences(corpus, split, tokens, seq_len)
+    else:
+        seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
+    meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
+            "topk": topk, "split": split, **meta,
+            "fingerprint": data.sequences_fingerprint(seqs)}
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+    cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / key)
+    if not cache.complete():
+        cache.build(target, seqs, trained, layer_ids, topk, meta,
+                    desc=f"caching {split} features")
+    print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
+          f"({meta['source']}; cache {cache.folder})", file=sys.stderr)
+    return {"features": cache.load(), "meta": meta, "folder": str(cache.folder)}

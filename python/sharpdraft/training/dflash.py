@@ -1,0 +1,224 @@
+"""`sharpdraft train dflash`: distil a DFlash drafter from its target, on CPU.
+
+Recipe:
+
+1. Data and cache (`training.cache`): target responses of the self-distilled corpus
+   (``--corpus``; the prompt is context, rows whose next token is a response token are trained)
+   or packed raw text; one target forward per sequence gives the drafter's context features
+   (the outputs of `evenly_spaced_layers(L, 4)`, float16) and the target's top-k next-token
+   distribution at every position.
+2. Per step: one random training sequence and ``--blocks`` random anchors among its trained
+   rows; each block is the anchor token followed by b - 1 mask tokens and sees the context
+   before its anchor plus its whole block (the block-attention training mask of
+   `DFlashDrafter.block_logits`). Row j of a block is trained against the target's distribution
+   for position anchor + j (soft cross-entropy on the renormalised top-k), weighted by
+   exp(-(j - 1) / gamma) and only where that row is a training target. A context curriculum
+   (``--anchor-warmup``) first restricts anchors to the first tokens of the sequence.
+3. Every ``--eval-every`` steps: held-out top-1 agreement per block position and the acceptance
+   proxy tau ~ 1 + E[leading agreeing positions]; the best checkpoint (drafter weights only,
+   bfloat16 by default, the training feature scale folded into `fc`) is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from ..drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .losses import (distill_loss, draft_vocabulary, feature_scale, position_weights,
+                     target_to_draft)
+from .loop import add_common_arguments, finish, fit, load_data, run_meta
+
+
+def sample_anchors(trained: torch.Tensor, n: int, gen: torch.Generator,
+                   max_anchor: Optional[int] = None) -> torch.Tensor:
+    """Up to n distinct anchors (sorted) among the rows a >= 1 with trained[a] (the first block
+    row's target is a training target). max_anchor: keep anchors <= max_anchor where any
+    remain (else the earliest n), the context curriculum."""
+    cand = torch.nonzero(trained[1:]).flatten() + 1
+    if cand.numel() == 0:
+        raise ValueError("sample_anchors: the sequence has no trained row after position 0")
+    if max_anchor is not None:
+        near = cand[cand <= max_anchor]
+        cand = near if near.numel() else cand[:n]
+    pick = torch.randperm(cand.numel(), generator=gen)[:n]
+    return cand[pick].sort().values
+
+
+def block_batch(seq: dict, anchors: torch.Tensor, block_size: int, mask_id: int):
+    """block_ids (K, b), target rows (K, b - 1) = positions anchor + j - 1 (j >= 1, clamped to
+    the sequence) and valid (K, b - 1): rows inside the sequence that are training targets."""
+    ids, trained = seq["ids"], seq["trained"]
+    T = ids.shape[0]
+    block = torch.full((len(anchors), block_size), mask_id, dtype=torch.long)
+    block[:, 0] = ids[anchors].long()
+    rows = anchors[:, None] + torch.arange(0, block_size - 1)
+    inside = rows < T
+    rows = rows.clamp(max=T - 1)
+    return block, rows, inside & trained[rows]
+
+
+def block_step(drafter: DFlashDrafter, target, seq: dict, anchors: torch.Tensor,
+               weights: torch.Tensor, t2d, scale: Optional[torch.Tensor]):
+    """(loss, per-row cross-entropy, logits of rows 1.., target rows, valid) of one sequence's
+    blocks at `anchors`."""
+    block, rows, valid = block_batch(seq, anchors, drafter.config.block_size,
+                                     drafter.config.mask_token_id)
+    feats = seq["feats"].float()
+    if scale is not None:
+        feats = feats * scale
+    logits = drafter.block_logits(target, feats, block, anchors)[:, 1:]
+    top_i = seq["top_i"][rows].long()
+    loss, per_row = distill_loss(logits, seq["top_p"][rows],
+                                 top_i if t2d is None else t2d[top_i], weights, valid)
+    return loss, per_row, logits, top_i, valid
+
+
+@torch.no_grad()
+def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float,
+             seed: int = 1234, scale: Optional[torch.Tensor] = None) -> dict:
+    """Held-out metrics with fixed anchors (trained rows only): loss, top-1 agreement per block
+    position, and tau_proxy = 1 + E[number of leading agreeing rows] (a row outside the
+    sequence or not trained ends the run)."""
+    b = drafter.config.block_size
+    gen = torch.Generator().manual_seed(seed)
+    w = position_weights(b, gamma)
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    agree, counted, lead, losses = [], [], [], []
+    for s in range(len(features)):
+        seq = features[s]
+        if not bool(seq["trained"][1:].any()):
+            continue
+        anchors = sample_anchors(seq["trained"], blocks, gen)
+        loss, _, logits, top_i, valid = block_step(drafter, target, seq, anchors, w, t2d, scale)
+        losses.append(float(loss))
+        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
+        ok = (guess == top_i[..., 0]) & valid                                 # (K, b - 1)
+        agree.append(ok.float().sum(0))
+        counted.append(valid.float().sum(0))
+        lead.append(ok.int().cumprod(-1).sum(-1).float())
+    per_pos = torch.stack(agree).sum(0) / torch.stack(counted).sum(0).clamp_min(1.0)
+    return {"loss": sum(losses) / len(losses),
+            "top1_per_position": [round(float(x), 4) for x in per_pos],
+            "top1_mean": float(per_pos.mean()),
+            "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+
+
+def make_loss(drafter: DFlashDrafter, target, features, *, blocks: int, gamma: float,
+              scale: Optional[torch.Tensor], anchor_warmup: float = 0.0, min_context: int = 32):
+    """loss_fn(gen, frac) for `loop.fit`: a random training sequence, `blocks` anchors among its
+    trained rows (the context curriculum lets anchors reach past `min_context` only as frac
+    grows to `anchor_warmup`)."""
+    w = position_weights(drafter.config.block_size, gamma)
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    usable = [s for s in range(len(features)) if bool(features[s]["trained"][1:].any())]
+    if not usable:
+        raise ValueError("no training sequence has a trained row after position 0")
+
+    def loss_fn(gen, frac):
+        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        T = seq["ids"].shape[0]
+        max_anchor = None
+        if anchor_warmup > 0:
+            max_anchor = int(min_context + (T - min_context) * min(1.0, frac / anchor_warmup))
+        anchors = sample_anchors(seq["trained"], blocks, gen, max_anchor)
+        loss, _, _, _, valid = block_step(drafter, target, seq, anchors, w, t2d, scale)
+        return loss, {"rows": int(valid.sum())}
+    return loss_fn
+
+
+def init_from_target(drafter: DFlashDrafter, target, where: str = "early") -> List[int]:
+    """Start the drafter from target weights; returns the target layers copied.
+
+    "early": drafter layer i = target layer i, and the context projection starts as the identity
+    on the first feature (the output of target layer target_layer_ids[0], a shallow state close
+    to what target layer 0 reads), normalised with target layer 0's input norm. The drafter then
+    starts as the target's first layers run over [context ; block] (early-exit logits through
+    the target's final norm and head): its attention already has local and previous-token heads,
+    which a random drafter must discover through attention diluted over the whole context.
+    "late": drafter layers = the target's last layers (context projection random).
+    """
+    layers = target.model.layers
+    n = len(drafter.layers)
+    chosen = list(range(n)) if where == "early" else list(range(len(layers) - n, len(layers)))
+    for mine, idx in zip(drafter.layers, chosen):
+        mine.load_state_dict(layers[idx].state_dict())
+    drafter.norm.load_state_dict(target.model.norm.state_dict())
+    if where == "early":
+        h = drafter.config.target_hidden_size
+        with torch.no_grad():
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, :h].copy_(torch.eye(h, drafter.config.hidden_size).T)
+            drafter.hidden_norm.weight.copy_(layers[0].input_layernorm.weight)
+    return chosen
+
+
+def folded_drafter(drafter: DFlashDrafter, scale: Optional[torch.Tensor]) -> DFlashDrafter:
+    """A copy of `drafter` whose fc reads raw features (feature scale folded into its weight)."""
+    snapshot = DFlashDrafter(drafter.config)
+    snapshot.load_state_dict(drafter.state_dict())
+    if scale is not None:
+        with torch.no_grad():
+            snapshot.fc.weight.mul_(scale[None, :].to(snapshot.fc.weight.dtype))
+    return snapshot.eval()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, lr=6e-4, seq_len=1024, warmup=60)
+    p.add_argument("--blocks", type=int, default=16, help="draft blocks per sequence and step")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--features", type=int, default=4, help="target layers read as context")
+    p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
+    p.add_argument("--eval-blocks", type=int, default=32)
+    p.add_argument("--init", choices=["early", "late", "random"], default="early",
+                   help="start the drafter from the target's first layers (early), its last "
+                        "layers (late), or randomly (see init_from_target)")
+    p.add_argument("--anchor-warmup", type=float, default=0.3,
+                   help="fraction of the run over which anchors grow from --min-context to "
+                        "the sequence length (context curriculum; 0 = off)")
+    p.add_argument("--min-context", type=int, default=32)
+
+
+def main(args: argparse.Namespace) -> dict:
+    from ..models import load_target
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
+                                   num_layers=args.layers, block_size=args.block_size,
+                                   num_features=args.features, train_context=args.seq_len,
+                                   draft_vocab_size=args.draft_vocab or None)
+    t0 = time.time()
+    train, held = load_data(args, target, tokenizer, provenance, cfg.target_layer_ids)
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+    cache_s = time.time() - t0
+    drafter = DFlashDrafter(cfg)
+    tr = train["features"]
+    if cfg.draft_vocab_size is not None:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+    init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
+    scale = feature_scale(tr.feature_rows())
+    out = Path(args.out)
+    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
+            "cache_seconds": round(cache_s, 1)}
+    print(f"sharpdraft train dflash: {meta['drafter_params'] / 1e6:.2f}M parameters",
+          file=sys.stderr)
+    loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma, scale=scale,
+                        anchor_warmup=args.anchor_warmup, min_context=args.min_context)
+    result = fit(drafter, target, loss_fn,
+                 lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
+                                  args.gamma, scale=scale),
+                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
+                 out=out, save_dtype=getattr(torch, args.save_dtype),
+                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                 seed=args.seed, meta=meta, desc="training dflash",
+                 snapshot=lambda: folded_drafter(drafter, scale))
+    return finish(out, meta, result)

@@ -1,0 +1,185 @@
+"""`sharpdraft train eagle3`: train an EAGLE-3 drafter from its target, on CPU.
+
+Recipe:
+
+1. Data and cache: the same cached target forwards as `sharpdraft train dflash` (layer outputs
+   of `evenly_spaced_layers(L, 4)`, float16, and the target's top-k next-token distributions).
+   EAGLE-3 fuses three of the cached layers: the lowest, the one nearest L / 2, and the highest
+   (SmolLM2-135M: 1, 19, 28; the reference's 2, 15, 27 are not cached).
+2. Model (`drafters.eagle3`): one decoder layer at the target's width, random start; a reduced
+   draft vocabulary (``--draft-vocab`` most frequent target ids) read through the target's LM
+   head; per-dimension feature scale 1 / RMS (tames SmolLM2's massive activations) stored in the
+   checkpoint.
+3. Objective: training-time test over a random window of up to ``--window`` tokens that reaches
+   the sequence's trained rows: ``--ttt-steps`` drafting depths, depth d feeding each row its
+   own depth d - 1 output and the token d places further; soft cross-entropy against the
+   target's renormalised top-k distribution on trained rows, weighted by ``--depth-decay`` ** d.
+4. Every ``--eval-every`` steps: held-out top-1 agreement per depth and the chain acceptance
+   proxy tau ~ 1 + E[leading agreeing depths] over ``chain_length`` depths, on the last
+   ``window`` tokens of every held-out sequence; the best checkpoint is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..drafters.dflash import evenly_spaced_layers
+from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
+from .loop import add_common_arguments, finish, fit, load_data, run_meta
+
+
+def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
+    """Column indices of the `chosen` layers inside features cached for `cached_layers`."""
+    return torch.cat([torch.arange(cached_layers.index(l) * width,
+                                   (cached_layers.index(l) + 1) * width) for l in chosen])
+
+
+def window_start(trained: torch.Tensor, window: int, gen=None) -> int:
+    """Start of a `window`-token window (the whole sequence when shorter) that holds trained
+    rows: random (gen) or the last window (gen None)."""
+    T = trained.shape[0]
+    last = max(0, T - window)
+    if gen is None:
+        return last
+    first = int(torch.nonzero(trained).flatten()[0]) if bool(trained.any()) else 0
+    lo = min(max(0, first - window // 2), last)
+    return lo + int(torch.randint(last - lo + 1, (), generator=gen))
+
+
+def depth_losses(drafter: Eagle3Drafter, target, seq: dict, off: int, window: int, steps: int,
+                 cols: torch.Tensor, t2d):
+    """Per depth d: (soft cross-entropy (n_d,), valid (n_d,) bool, logits (n_d, V), target
+    top-1 ids (n_d,)) of one window of one sequence."""
+    sl = slice(off, off + window)
+    ids = seq["ids"][sl].long()
+    feats = seq["feats"][sl][:, cols].float()
+    top_p, top_i, trained = seq["top_p"][sl], seq["top_i"][sl].long(), seq["trained"][sl]
+    out = []
+    for d, lg in enumerate(drafter.ttt_logits(target, feats, ids, steps)):
+        rows = slice(1 + d, 1 + d + lg.shape[0])   # the target's distribution at t + d + 1
+        ti = top_i[rows]
+        ce = soft_cross_entropy(lg, top_p[rows], ti if t2d is None else t2d[ti])
+        out.append((ce, trained[rows], lg, ti[:, 0]))
+    return out
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    v = valid.to(x.dtype)
+    return (x * v).sum() / v.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, window: int = 512,
+             depth_decay: float = 0.8) -> dict:
+    """Held-out metrics over the last `window` tokens of every sequence, chain_length depths,
+    trained rows only: loss (depth-weighted), top1_per_position (depth d's agreement with the
+    target's top-1) and tau_proxy = 1 + mean over rows of the number of leading agreeing depths
+    (an untrained row ends the run)."""
+    K = drafter.config.chain_length
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    w = torch.tensor([depth_decay ** d for d in range(K)])
+    losses, hits, counts, lead = [], torch.zeros(K), torch.zeros(K), []
+    for s in range(len(features)):
+        seq = features[s]
+        W = min(window, seq["ids"].shape[0])
+        if W <= K + 1 or not bool(seq["trained"][-W:].any()):
+            continue
+        per = depth_losses(drafter, target, seq, window_start(seq["trained"], W), W, K, cols,
+                           t2d)
+        losses.append(float((torch.stack([masked_mean(ce, v) for ce, v, _, _ in per]) * w).sum()
+                            / w.sum()))
+        oks = []
+        for d, (_, v, lg, top1) in enumerate(per):
+            guess = lg.argmax(-1) if drafter.d2t is None else drafter.d2t[lg.argmax(-1)]
+            ok = (guess == top1) & v
+            hits[d] += ok.sum()
+            counts[d] += v.sum()
+            oks.append(ok)
+        n = oks[-1].shape[0]
+        start = per[0][1][:n]                       # runs start at trained rows
+        runs = torch.stack([o[:n] for o in oks], 1).int().cumprod(1).sum(1).float()
+        lead.append(runs[start])
+    a = hits / counts.clamp_min(1.0)
+    return {"loss": sum(losses) / len(losses),
+            "top1_per_position": [round(float(x), 4) for x in a],
+            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+
+
+def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, window: int,
+              ttt_steps: int, depth_decay: float):
+    """loss_fn(gen, frac) for `loop.fit`: training-time test over a random window of a random
+    training sequence, per-depth mean soft cross-entropy on trained rows, weighted by
+    depth_decay ** d."""
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    w = torch.tensor([depth_decay ** d for d in range(ttt_steps)])
+    usable = [s for s in range(len(features))
+              if features.lengths[s] > ttt_steps + 1 and bool(features[s]["trained"].any())]
+    if not usable:
+        raise ValueError("no training sequence is long enough and has trained rows")
+
+    def loss_fn(gen, frac):
+        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        W = min(window, seq["ids"].shape[0])
+        off = window_start(seq["trained"], W, gen)
+        per = depth_losses(drafter, target, seq, off, W, ttt_steps, cols, t2d)
+        per_depth = torch.stack([masked_mean(ce, v) for ce, v, _, _ in per])
+        return (per_depth * w).sum() / w.sum(), {
+            "per_depth": [round(float(x), 3) for x in per_depth.detach()],
+            "rows": int(per[0][1].sum())}
+    return loss_fn
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, lr=2e-3, seq_len=1024)
+    p.add_argument("--window", type=int, default=512,
+                   help="training window in tokens (recorded as train_context)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="drafting depths simulated per step (training-time test)")
+    p.add_argument("--depth-decay", type=float, default=0.8, help="loss weight ratio per depth")
+    p.add_argument("--chain-length", type=int, default=5, help="drafts per step (chain mode)")
+
+
+def main(args: argparse.Namespace) -> dict:
+    from ..models import load_target
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if not args.chain_length + 2 <= args.window <= args.seq_len:
+        raise SystemExit(f"--window must lie in [--chain-length + 2, --seq-len={args.seq_len}], "
+                         f"got {args.window}")
+    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    L = target.config.num_hidden_layers
+    cached = evenly_spaced_layers(L, 4)
+    train, held = load_data(args, target, tokenizer, provenance, cached)
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+    chosen = [cached[0], min(cached, key=lambda l: abs(l - L // 2)), cached[-1]]
+    cfg = Eagle3Config.from_target(target.config, target_layer_ids=chosen,
+                                   train_context=args.window, chain_length=args.chain_length,
+                                   draft_vocab_size=args.draft_vocab or None)
+    drafter = Eagle3Drafter(cfg)
+    tr = train["features"]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab_size is not None:
+        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+    cols = fused_columns(cached, chosen, target.config.hidden_size)
+    with torch.no_grad():
+        drafter.feature_scale.copy_(feature_scale(tr.feature_rows()[:, cols]))
+    loss_fn = make_loss(drafter, target, tr, cols, args.window, args.ttt_steps,
+                        args.depth_decay)
+    out = Path(args.out)
+    meta = run_meta(args, provenance, drafter, None, train, held)
+    print(f"sharpdraft train eagle3: {meta['drafter_params'] / 1e6:.2f}M parameters, fused "
+          f"target layers {chosen}", file=sys.stderr)
+    result = fit(drafter, target, loss_fn,
+                 lambda: evaluate(drafter, target, held["features"], cols, window=args.window,
+                                  depth_decay=args.depth_decay),
+                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
+                 out=out, save_dtype=getattr(torch, args.save_dtype),
+                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                 seed=args.seed, meta=meta, desc="training eagle3")
+    return finish(out, meta, result)

@@ -1,0 +1,221 @@
+"""The training loop every recipe shares: options, the cached data, AdamW with linear warm-up
+then cosine decay over the steps or a time budget (whichever ends first), periodic held-out
+evaluation keeping the best checkpoint (written to a temporary folder and renamed), a JSONL log
+and a tqdm bar."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from .cache import cached_features
+
+
+def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
+                         steps: int = 2000, warmup: int = 50) -> None:
+    """Options every recipe shares (data, cache, schedule, output, runtime)."""
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus", default=None,
+                   help="a self-distilled corpus folder (`sharpdraft data generate`): train on "
+                        "its train split's responses (prompts as context) and evaluate on its "
+                        "held-out split; default: packed raw text (`sharpdraft.data`)")
+    p.add_argument("--tokens", type=int, default=131072,
+                   help="training tokens to cache (response tokens with --corpus)")
+    p.add_argument("--eval-tokens", type=int, default=8192,
+                   help="held-out tokens to cache (response tokens with --corpus)")
+    p.add_argument("--seq-len", type=int, default=seq_len,
+                   help="training context length: packed text sequence length, or the longest "
+                        "corpus conversation kept (its last tokens); recorded as train_context")
+    p.add_argument("--topk", type=int, default=32, help="cached target probabilities per position")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft vocabulary size: the most frequent target tokens of the training "
+                        "sequences (0: the whole target vocabulary)")
+    p.add_argument("--steps", type=int, default=steps,
+                   help="optimiser steps (the schedule's length)")
+    p.add_argument("--lr", type=float, default=lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=warmup, help="linear warm-up steps")
+    p.add_argument("--eval-every", type=int, default=200,
+                   help="held-out evaluation (and best-checkpoint) period in steps")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the saved weights")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="time budget of the training loop (the cosine schedule ends with it; "
+                        "the best checkpoint is kept)")
+    p.add_argument("--cache-only", action="store_true",
+                   help="build the feature caches and stop (a later run with the same data "
+                        "options reuses them)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
+
+
+def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
+    """(train, held-out) caches of the layers `layer_ids` (see `cache.cached_features`).
+
+    Every recipe of the default target reads `drafters.dflash.evenly_spaced_layers(L, 4)` (or a
+    subset), so one set of target forwards serves every drafter."""
+    if args.seq_len < 16:
+        raise SystemExit(f"--seq-len must be >= 16, got {args.seq_len}")
+    kw = dict(seq_len=args.seq_len, topk=args.topk, seed=args.seed, corpus=args.corpus)
+    try:
+        train = cached_features(target, tokenizer, provenance, layer_ids, split="train",
+                                tokens=args.tokens, **kw)
+        held = cached_features(target, tokenizer, provenance, layer_ids, split="heldout",
+                               tokens=args.eval_tokens, **kw)
+    except FileNotFoundError as err:
+        raise SystemExit(f"sharpdraft train: error: --corpus: {err}")
+    return train, held
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 0 over the steps or the time budget, whichever
+    runs out first (time_frac = elapsed / max_seconds)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = max((step - warmup) / max(1, steps - warmup), time_frac)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+
+def save_atomically(model: nn.Module, out: Path, extra: dict) -> None:
+    """Write `model.save(folder)` and training.json to a temporary sibling folder, then swap
+    it in for `out` (the JSONL log already in `out` is kept)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save(tmp)
+    (tmp / "training.json").write_text(json.dumps(extra, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+
+
+def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, steps: int,
+        lr: float, warmup: int, eval_every: int, out: Optional[Path], save_dtype: torch.dtype,
+        max_seconds: Optional[float], seed: int = 0, weight_decay: float = 0.01,
+        grad_clip: float = 1.0, meta: Optional[dict] = None, desc: str = "training",
+        snapshot: Optional[Callable[[], nn.Module]] = None, progress: bool = True) -> dict:
+    """Train `drafter` in place.
+
+    loss_fn(gen, frac) -> (loss tensor, dict of extra log fields): one step's loss on a batch
+    drawn with the torch.Generator `gen`; frac in [0, 1] is the run's progress (steps or time,
+    whichever is further; curricula read it). eval_fn() -> dict with at least "loss",
+    "tau_proxy" and "top1_per_position": the held-out evaluation; the checkpoint with the best
+    tau_proxy is written to `out` (`snapshot()`, default a copy of the drafter, saved in
+    `save_dtype`, plus training.json) through `save_atomically`.
+
+    Returns {"history", "evals", "best", "steps_done", "seconds"}.
+    """
+    for p in target.parameters():
+        p.requires_grad_(False)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
+                              "weight_decay": weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    history, evals, best = [], [], None
+    t0 = time.time()
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    log = open(Path(out) / "train_log.jsonl", "a") if out is not None else None
+
+    def copy() -> nn.Module:
+        snap = type(drafter)(drafter.config)
+        snap.load_state_dict(drafter.state_dict())
+        return snap
+
+    def write(rec):
+        if log:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
+    def do_eval(step):
+        nonlocal best
+        was = drafter.training
+        drafter.eval()
+        ev = {"step": step, "elapsed_s": round(time.time() - t0, 1), **eval_fn()}
+        drafter.train(was)
+        evals.append(ev)
+        write({"eval": ev})
+        if progress:
+            tqdm.write(f"eval step {step}: loss {ev['loss']:.3f} tau~{ev['tau_proxy']:.3f} "
+                       f"top1 {' '.join(f'{x:.2f}' for x in ev['top1_per_position'])}",
+                       file=sys.stderr)
+        if best is None or ev["tau_proxy"] > best["tau_proxy"]:
+            best = ev
+            if out is not None:
+                with torch.no_grad():
+                    model = (snapshot or copy)().to(save_dtype)
+                save_atomically(model, out, {**(meta or {}), "best_eval": ev, "evals": evals})
+
+    drafter.train()
+    bar = tqdm(range(steps), desc=desc, unit="step", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    step = 0
+    for step in bar:
+        if step and step % eval_every == 0:
+            do_eval(step)
+        time_frac = (time.time() - t0) / max_seconds if max_seconds else 0.0
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup, time_frac)
+        loss, extra = loss_fn(gen, min(1.0, max(step / steps, time_frac)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        rec = {"step": step, "loss": round(float(loss.detach()), 4), **extra,
+               "grad_norm": round(float(gnorm), 3), "lr": opt.param_groups[0]["lr"],
+               "elapsed_s": round(time.time() - t0, 1)}
+        history.append(rec)
+        if step % 10 == 0:
+            write(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}")
+        if max_seconds is not None and time.time() - t0 > max_seconds:
+            if progress:
+                tqdm.write(f"time budget reached after {step + 1} steps", file=sys.stderr)
+            break
+    bar.close()
+    do_eval(step + 1)
+    if log:
+        log.close()
+    return {"history": history, "evals": evals, "best": best, "steps_done": step + 1,
+            "seconds": time.time() - t0}
+
+
+def run_meta(args, provenance, drafter, init_layers, train, held) -> dict:
+    """What training.json records of a run besides its results."""
+    return {"command": "sharpdraft " + " ".join(sys.argv[1:]) if sys.argv else None,
+            "args": vars(args), "target": provenance,
+            "drafter_params": sum(p.numel() for p in drafter.parameters()),
+            "init_from_target_layers": init_layers,
+            "train_data": {k: v for k, v in train["meta"].items() if k != "target"},
+            "heldout_data": {k: v for k, v in held["meta"].items() if k != "target"}}
+
+
+def finish(out: Path, meta: dict, result: dict) -> dict:
+    """Write training.json (meta, steps, time, tokens seen, best and all evaluations) and print a
+    summary; returns it."""
+    hist = result["history"]
+    summary = {**meta, "steps_done": result["steps_done"],
+               "train_seconds": round(result["seconds"], 1),
+               "trained_rows_seen": int(sum(h.get("rows", 0) for h in hist)),
+               "final_train_loss_avg50": (sum(h["loss"] for h in hist[-50:])
+                                          / max(1, len(hist[-50:]))),
+               "best_eval": result["best"], "evals": result["evals"]}
+    tmp = Path(out) / "training.json.partial"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, Path(out) / "training.json")
+    print(json.dumps({k: summary[k] for k in ("steps_done", "train_seconds", "trained_rows_seen",
+                                              "best_eval")}, indent=2))
+    return summary

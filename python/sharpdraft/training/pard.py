@@ -1,0 +1,163 @@
+"""`sharpdraft train pard`: train a PARD drafter from its target, on CPU.
+
+Recipe:
+
+1. Data and cache: the same cached target forwards as `sharpdraft train dflash`; PARD reads
+   only the token ids and the target's top-k next-token distributions.
+2. Model: the target's first ``--layers`` layers, final norm and mean embedding (as the mask
+   embedding), with a reduced draft vocabulary (``--draft-vocab`` most frequent target ids).
+3. Objective (multi-copy parallel drafting, `drafters.pard`): per step a random window of up to
+   ``--window`` tokens reaching the sequence's trained rows; copy 0 predicts the next token,
+   copy j (1 <= j < k) is all mask tokens and predicts j + 1 ahead of the real prefix it sees.
+   Conditional token drop keeps copy j's row with probability ``--keep-rate`` given its
+   ancestor row, so copy j holds about keep_rate^j of the rows. Soft cross-entropy against the
+   target's renormalised top-k distribution on trained rows, averaged per copy, copies weighted
+   equally.
+4. Every ``--eval-every`` steps: held-out top-1 agreement with the target per draft position and
+   the acceptance proxy tau ~ 1 + E[leading agreeing drafts] on the last ``window`` tokens of
+   every held-out sequence; the best checkpoint is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..drafters.dflash import evenly_spaced_layers
+from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
+from .eagle3 import window_start
+from .losses import copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft
+from .loop import add_common_arguments, finish, fit, load_data, run_meta
+
+
+def _window(seq: dict, off: int, W: int, t2d):
+    sl = slice(off, off + W)
+    top_i = seq["top_i"][sl].long()
+    return (seq["ids"][sl].long(), seq["top_p"][sl], top_i if t2d is None else t2d[top_i],
+            top_i[..., 0], seq["trained"][sl])
+
+
+def copy_rows(keep: torch.Tensor):
+    """(position, copy) of every kept row of keep (C, T), copy-major as `train_logits` orders
+    them."""
+    C, T = keep.shape
+    return (torch.arange(T)[None].expand(C, T)[keep], torch.arange(C)[:, None].expand(C, T)[keep])
+
+
+@torch.no_grad()
+def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
+    """Held-out metrics over the last `window` tokens of every sequence with every copy row
+    kept, trained rows only.
+
+    Returns loss (copies weighted equally), top1_per_position (entry j: copy j's top-1 agreement
+    with the target, i.e. draft j + 1's), and tau_proxy = 1 + mean over anchors P (copy 0's row
+    P trained) of the number of leading drafts m = 1 .. k whose copy m - 1 row at P + m - 1
+    agrees with the target's top-1 (an untrained row ends the run).
+    """
+    k = drafter.config.num_draft_tokens
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    losses, hits, counts, lead = [], torch.zeros(k), torch.zeros(k), []
+    for s in range(len(features)):
+        seq = features[s]
+        W = min(window, seq["ids"].shape[0])
+        if W <= k + 1 or not bool(seq["trained"][-W:].any()):
+            continue
+        ids, top_p, top_d, top1, trained = _window(seq, window_start(seq["trained"], W), W, t2d)
+        keep = torch.ones(k, W, dtype=torch.bool)
+        for j in range(k):
+            keep[j, :j] = False
+        keep[:, W - 1] = False
+        logits = drafter.train_logits(target, ids, keep)
+        pos, copy = copy_rows(keep)
+        v = trained[pos]
+        ce = soft_cross_entropy(logits[v], top_p[pos][v], top_d[pos][v])
+        per_copy = copy_losses(ce, copy[v], k)
+        losses.append(float(per_copy[~per_copy.isnan()].mean()))
+        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
+        ok = torch.zeros(k, W, dtype=torch.bool)
+        ok[keep] = (guess == top1[pos]) & v
+        tr = torch.zeros(k, W, dtype=torch.bool)
+        tr[keep] = v
+        hits += ok.sum(1)
+        counts += tr.sum(1)
+        anchors = torch.arange(0, W - k)                              # P: draft m at P + m - 1
+        rows = torch.stack([ok[m, anchors + m] for m in range(k)], dim=1)     # (A, k)
+        lead.append(rows.int().cumprod(1).sum(1).float()[trained[anchors]])
+    a = hits / counts.clamp_min(1.0)
+    return {"loss": sum(losses) / len(losses),
+            "top1_per_position": [round(float(x), 4) for x in a],
+            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+
+
+def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: float):
+    """loss_fn(gen, frac) for `loop.fit`: a random window of a random training sequence, all
+    copies with conditional drop, per-copy mean soft cross-entropy on trained rows, copies
+    weighted equally."""
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    k = drafter.config.num_draft_tokens
+    usable = [s for s in range(len(features))
+              if features.lengths[s] > k + 1 and bool(features[s]["trained"].any())]
+    if not usable:
+        raise ValueError("no training sequence is long enough and has trained rows")
+
+    def loss_fn(gen, frac):
+        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        W = min(window, seq["ids"].shape[0])
+        ids, top_p, top_d, _, trained = _window(seq, window_start(seq["trained"], W, gen), W,
+                                                t2d)
+        keep = conditional_keep(k, W, keep_rate, gen)
+        pos, copy = copy_rows(keep)
+        v = trained[pos]
+        logits = drafter.train_logits(target, ids, keep)
+        per_copy = copy_losses(soft_cross_entropy(logits[v], top_p[pos][v], top_d[pos][v]),
+                               copy[v], k)
+        return per_copy[~per_copy.isnan()].mean(), {"rows": int(v.sum())}
+    return loss_fn
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, lr=5e-4, seq_len=1024)
+    p.add_argument("--window", type=int, default=512,
+                   help="training window in tokens (recorded as train_context)")
+    p.add_argument("--layers", type=int, default=4, help="drafter layers (the target's first)")
+    p.add_argument("--draft-tokens", type=int, default=8, help="k, drafts per forward")
+    p.add_argument("--keep-rate", type=float, default=0.6,
+                   help="conditional token drop: keep probability of a copy row given its ancestor")
+
+
+def main(args: argparse.Namespace) -> dict:
+    from ..models import load_target
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    if not args.draft_tokens + 2 <= args.window <= args.seq_len:
+        raise SystemExit(f"--window must lie in [--draft-tokens + 2, --seq-len={args.seq_len}],"
+                         f" got {args.window}")
+    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    train, held = load_data(args, target, tokenizer, provenance,
+                            evenly_spaced_layers(target.config.num_hidden_layers, 4))
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+    cfg = PARDConfig.from_target(target.config, num_layers=args.layers,
+                                 num_draft_tokens=args.draft_tokens, train_context=args.window,
+                                 draft_vocab_size=args.draft_vocab or None)
+    drafter = PARDDrafter(cfg)
+    tr = train["features"]
+    vocab = target.get_output_embeddings().weight.shape[0]
+    if cfg.draft_vocab_size is not None:
+        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+    init_layers = drafter.init_from_target(target)
+    loss_fn = make_loss(drafter, target, tr, args.window, args.keep_rate)
+    out = Path(args.out)
+    meta = run_meta(args, provenance, drafter, init_layers, train, held)
+    print(f"sharpdraft train pard: {meta['drafter_params'] / 1e6:.2f}M parameters",
+          file=sys.stderr)
+    result = fit(drafter, target, loss_fn,
+                 lambda: evaluate(drafter, target, held["features"], window=args.window),
+                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
+                 out=out, save_dtype=getattr(torch, args.save_dtype),
+                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                 seed=args.seed, meta=meta, desc="training pard")
+    return finish(out, meta, result)
