@@ -349,3 +349,37 @@ def test_data_generate_rejects_bad_values_naming_the_flag(flag, value, capsys):
         cli.main(argv + [flag, value])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+# ----- what reads the corpus: held-out bench prompts, the training feature cache -----------------
+def test_bench_corpus_prompts_are_heldout_first_turns_without_their_response(target, tmp_path):
+    from sharpdraft.bench import corpus_prompts
+    model, tok = target
+    run(model, tok, tmp_path / "c")
+    held = corpus.load(tmp_path / "c", "heldout")
+    prompts = corpus_prompts(tmp_path / "c", 3)
+    assert len(prompts) == 3 and {p["kind"] for p in prompts} == {"corpus"}
+    firsts = {tuple(s[:int(m.argmax())].tolist()) for s, m, r in
+              zip(held.sequences, held.masks, held.records) if r["turns"] == 1}
+    assert all(tuple(p["ids"][0].tolist()) in firsts for p in prompts)
+    kinds = [p["name"].rsplit("-", 1)[0] for p in prompts]
+    assert len(set(kinds)) == min(3, len({f"{r['source']}/{r['kind']}" for r in held.records
+                                          if r["turns"] == 1}))      # sources taken in turn
+    with pytest.raises(FileNotFoundError):
+        corpus_prompts(tmp_path / "missing", 1)
+
+
+def test_training_cache_of_a_corpus_trains_on_responses_only(target, tmp_path):
+    from sharpdraft.training import cache as tc
+    model, tok = target
+    run(model, tok, tmp_path / "c")
+    train = corpus.load(tmp_path / "c", "train")
+    seqs, trained, meta = tc.corpus_sequences(tmp_path / "c", "train", 10 ** 9, 40)
+    assert len(seqs) == len(train)
+    assert meta["response_tokens"] == sum(int(m[-40:].sum()) for m in train.masks)
+    for s, t, full, m in zip(seqs, trained, train.sequences, train.masks):
+        assert s == full[-40:].tolist()             # the last max_len tokens: the response
+        # row r is trained exactly when token r + 1 is a response token
+        assert t == [bool(x) for x in m[-40:][1:]] + [False]
+    few, _, meta_few = tc.corpus_sequences(tmp_path / "c", "train", 1, 40)
+    assert len(few) == 1 and meta_few["response_tokens"] >= 1

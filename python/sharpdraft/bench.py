@@ -59,6 +59,37 @@ def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
     return tokenizer.decode(words[:n_tokens])
 
 
+def corpus_prompts(folder, n: int) -> List[dict]:
+    """n first-turn prompts of a corpus's held-out split (`sharpdraft data generate`; its
+    documents are never trained on), taken in turn from each prompt source/kind, as
+    [{name, kind, ids}] with kind "corpus".
+
+    Raises:
+        FileNotFoundError: no corpus in `folder`. ValueError: its held-out split is empty.
+    """
+    from . import corpus
+
+    held = corpus.load(folder, "heldout")
+    groups: Dict[str, List[int]] = {}
+    for i, rec in enumerate(held.records):
+        if rec["turns"] == 1:
+            groups.setdefault(f"{rec['source']}/{rec['kind']}", []).append(i)
+    if n > 0 and not groups:
+        raise ValueError(f"--corpus {folder}: the held-out split holds no first-turn prompts")
+    picked, k = [], 0
+    while len(picked) < n and k < max(map(len, groups.values()), default=0):
+        for g in sorted(groups):
+            if k < len(groups[g]) and len(picked) < n:
+                picked.append((g, groups[g][k]))
+        k += 1
+    prompts = []
+    for g, i in picked:
+        first = int(held.masks[i].argmax())            # the response starts here
+        prompts.append({"name": f"{g}-{held.records[i]['prompt']}", "kind": "corpus",
+                        "ids": torch.tensor([held.sequences[i][:first].tolist()])})
+    return prompts
+
+
 def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     """[{name, kind, ids}], KJV passages of `lengths` tokens + task, then maths problems."""
     prompts = []

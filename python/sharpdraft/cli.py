@@ -32,7 +32,8 @@ import torch
 from tqdm import tqdm
 
 from .attention import SharpConfig
-from .bench import KJV_TASK, build_prompts, decode, kjv_passage, run_bench, warm_up
+from .bench import (KJV_TASK, build_prompts, corpus_prompts, decode, kjv_passage, run_bench,
+                    warm_up)
 from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .drafters.pard import PARDConfig, PARDDrafter
@@ -153,6 +154,14 @@ def _run(label: str, fn, total: int) -> GenerationResult:
 def cmd_bench(args) -> dict:
     target, tokenizer, provenance = load_target_for(args)
     prompts = build_prompts(tokenizer, args.lengths, args.maths)
+    if args.corpus_prompts:
+        try:
+            prompts += corpus_prompts(args.corpus, args.corpus_prompts)
+        except (FileNotFoundError, ValueError) as err:
+            raise SystemExit(f"sharpdraft bench: error: --corpus: {err}")
+    if not prompts:
+        raise SystemExit("sharpdraft bench: error: no prompts (--lengths, --maths and "
+                         "--corpus-prompts are all empty)")
     for p in prompts:
         check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
     drafter = build_drafter(target, tokenizer, args)
@@ -306,9 +315,14 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="AR vs a frozen drafter vs the drafter + SharpDraft on real "
                                      "prompts")
     _common(b)
-    b.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 6144],
+    b.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 6144],
                    help="KJV passage lengths in tokens")
     b.add_argument("--maths", type=int, default=4, help="number of champ-dataset problems")
+    b.add_argument("--corpus", default="corpus",
+                   help="corpus folder whose held-out prompts --corpus-prompts reads")
+    b.add_argument("--corpus-prompts", type=int, default=0,
+                   help="held-out first-turn prompts of --corpus (prompts like the drafters' "
+                        "training conversations, on documents they never saw)")
     b.add_argument("--out", default="bench-results", help="output folder")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
     kinds = t.add_subparsers(dest="drafter", required=True, metavar="{dflash,eagle3,pard}")
