@@ -332,3 +332,51 @@ def test_eagle3_recipe_lowers_loss_and_checkpoint_drafts(setup):
     prompt = torch.tensor([seqs[0][:20]])
     ref = autoregressive_generate(target, prompt, 12).tokens
     assert speculative_generate(target, loaded, prompt, 12).tokens == ref
+
+
+def test_skipped_positions_keep_the_keys_and_stretch_the_distances():
+    g = torch.Generator().manual_seed(0)
+    spans = []
+    for _ in range(50):
+        p = td.skipped_positions(64, 1000, g)
+        d = p[1:] - p[:-1]
+        assert p[0] == 0 and bool((d >= 1).all()) and int((d > 1).sum()) <= 1
+        assert int(p[-1]) <= 999
+        spans.append(int(p[-1]))
+    assert max(spans) > 500                          # distances far beyond 64 are trained
+    with pytest.raises(ValueError, match="max_position"):
+        td.skipped_positions(64, 63, g)
+
+
+def test_block_logits_positions_obey_rope_relative_invariance(setup):
+    target, _, _, (train_c, _), _ = setup
+    drafter = tiny_drafter(target, block_size=4)
+    feats = train_c.load()[0]["feats"].float()
+    anchors, block = torch.tensor([10, 50, 90]), torch.zeros(3, 4, dtype=torch.long)
+    T = feats.shape[0]
+    with torch.no_grad():
+        plain = drafter.block_logits(target, feats, block, anchors)
+        same = drafter.block_logits(target, feats, block, anchors, torch.arange(T))
+        shifted = drafter.block_logits(target, feats, block, anchors, torch.arange(T) + 300)
+        gap = drafter.block_logits(target, feats, block, anchors,
+                                   torch.arange(T) + 300 * (torch.arange(T) >= 30))
+    torch.testing.assert_close(same, plain)
+    torch.testing.assert_close(shifted, plain, atol=2e-4, rtol=2e-4)   # RoPE: only differences
+    assert (gap[1:] - plain[1:]).abs().max() > 1e-3    # blocks past the gap see other distances
+    torch.testing.assert_close(gap[0], plain[0], atol=2e-4, rtol=2e-4)  # block 0 is before it
+    with pytest.raises(ValueError, match="positions must have shape"):
+        drafter.block_logits(target, feats, block, anchors, torch.arange(T - 1))
+
+
+def test_dflash_position_skip_steps_train(setup):
+    target, _, _, (train_c, _), _ = setup
+    drafter = tiny_drafter(target, block_size=4)
+    fn = td.make_loss(drafter, target, train_c.load(), blocks=4, gamma=7.0, scale=None,
+                      position_skip=1.0, max_position=400)
+    loss, extra = fn(torch.Generator().manual_seed(0), 0.5)
+    assert extra["skipped"] and torch.isfinite(loss)
+    loss.backward()
+    assert drafter.fc.weight.grad is not None
+    with pytest.raises(ValueError, match="max_position"):
+        td.make_loss(drafter, target, train_c.load(), blocks=4, gamma=7.0, scale=None,
+                     position_skip=0.5)

@@ -213,7 +213,8 @@ class DFlashDrafter(Drafter):
         return self.norm(x)
 
     def block_logits(self, target, context_features: torch.Tensor, block_ids: torch.Tensor,
-                     anchors: torch.Tensor) -> torch.Tensor:
+                     anchors: torch.Tensor,
+                     positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training forward: logits of many draft blocks over one sequence's context, no cache.
 
         Block k sits at positions anchors[k] .. anchors[k] + b - 1 and sees the context features
@@ -226,6 +227,10 @@ class DFlashDrafter(Drafter):
             block_ids: (K, b) int64 token ids: column 0 the anchor token ids[anchors[k]], the
                 others `config.mask_token_id`.
             anchors: (K,) int64 anchor positions, each in [1, T].
+            positions: (T,) int64 increasing RoPE positions of the context rows (None: 0 .. T - 1);
+                block k's rows then sit at positions[anchors[k]] + j (needs anchors < T).
+                Position-robust training passes ids that skip forward, so that the relative
+                distances seen reach beyond T while the number of keys stays T.
 
         Returns:
             logits (K, b, V), float32, over the draft vocabulary (V = config.draft_vocab_size;
@@ -240,14 +245,20 @@ class DFlashDrafter(Drafter):
                              f"[{int(anchors.min())}, {int(anchors.max())}]")
         dev = context_features.device
         offs = torch.arange(b, device=dev)
-        block_pos = (anchors[:, None] + offs).reshape(1, K * b)
+        ctx_pos = torch.arange(T, device=dev) if positions is None else positions.to(dev)
+        if positions is not None:
+            if positions.shape != (T,):
+                raise ValueError(f"positions must have shape ({T},), got {tuple(positions.shape)}")
+            if int(anchors.max()) >= T:
+                raise ValueError(f"with positions, anchors must lie in [1, {T - 1}]")
+        start = anchors if positions is None else ctx_pos[anchors]
+        block_pos = (start[:, None] + offs).reshape(1, K * b)
         sees_ctx = torch.arange(T, device=dev)[None, :] < anchors[:, None]          # (K, T)
         same_block = torch.eye(K, dtype=torch.bool, device=dev)
         mask = torch.cat([sees_ctx.repeat_interleave(b, 0),
                           same_block.repeat_interleave(b, 0).repeat_interleave(b, 1)], dim=1)
         embeds = target.get_input_embeddings()(block_ids.reshape(1, K * b))
-        h = self(embeds, block_pos, context_features[None],
-                 torch.arange(T, device=dev)[None], attn_mask=mask)
+        h = self(embeds, block_pos, context_features[None], ctx_pos[None], attn_mask=mask)
         return self.head(target, h).view(K, b, -1)
 
     @torch.no_grad()

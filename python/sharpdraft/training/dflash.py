@@ -62,16 +62,34 @@ def block_batch(seq: dict, anchors: torch.Tensor, block_size: int, mask_id: int)
     return block, rows, inside & trained[rows]
 
 
+def skipped_positions(T: int, max_position: int, gen: torch.Generator) -> torch.Tensor:
+    """(T,) increasing position ids with one forward skip (PoSE-style): rows from a random
+    split point c in [1, T) on are shifted by a random gap in [0, max_position - T], so a
+    T-token sequence shows relative distances up to max_position - 1 while holding T keys (RoPE
+    sees only differences, so the shift of a whole sequence changes nothing).
+
+    Raises:
+        ValueError: max_position < T.
+    """
+    if max_position < T:
+        raise ValueError(f"max_position {max_position} < sequence length {T}")
+    c = 1 + int(torch.randint(max(1, T - 1), (), generator=gen))
+    gap = int(torch.randint(max_position - T + 1, (), generator=gen))
+    pos = torch.arange(T)
+    return pos + gap * (pos >= c)
+
+
 def block_step(drafter: DFlashDrafter, target, seq: dict, anchors: torch.Tensor,
-               weights: torch.Tensor, t2d, scale: Optional[torch.Tensor]):
+               weights: torch.Tensor, t2d, scale: Optional[torch.Tensor],
+               positions: Optional[torch.Tensor] = None):
     """(loss, per-row cross-entropy, logits of rows 1.., target rows, valid) of one sequence's
-    blocks at `anchors`."""
+    blocks at `anchors` (context RoPE positions `positions`, None: 0 .. T - 1)."""
     block, rows, valid = block_batch(seq, anchors, drafter.config.block_size,
                                      drafter.config.mask_token_id)
     feats = seq["feats"].float()
     if scale is not None:
         feats = feats * scale
-    logits = drafter.block_logits(target, feats, block, anchors)[:, 1:]
+    logits = drafter.block_logits(target, feats, block, anchors, positions)[:, 1:]
     top_i = seq["top_i"][rows].long()
     loss, per_row = distill_loss(logits, seq["top_p"][rows],
                                  top_i if t2d is None else t2d[top_i], weights, valid)
@@ -109,10 +127,14 @@ def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float
 
 
 def make_loss(drafter: DFlashDrafter, target, features, *, blocks: int, gamma: float,
-              scale: Optional[torch.Tensor], anchor_warmup: float = 0.0, min_context: int = 32):
+              scale: Optional[torch.Tensor], anchor_warmup: float = 0.0, min_context: int = 32,
+              position_skip: float = 0.0, max_position: Optional[int] = None):
     """loss_fn(gen, frac) for `loop.fit`: a random training sequence, `blocks` anchors among its
     trained rows (the context curriculum lets anchors reach past `min_context` only as frac
-    grows to `anchor_warmup`)."""
+    grows to `anchor_warmup`); with probability `position_skip` the sequence's positions skip
+    forward (`skipped_positions` up to `max_position`, position-robust training)."""
+    if position_skip > 0 and max_position is None:
+        raise ValueError("position_skip needs max_position")
     w = position_weights(drafter.config.block_size, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     usable = [s for s in range(len(features)) if bool(features[s]["trained"][1:].any())]
@@ -125,9 +147,13 @@ def make_loss(drafter: DFlashDrafter, target, features, *, blocks: int, gamma: f
         max_anchor = None
         if anchor_warmup > 0:
             max_anchor = int(min_context + (T - min_context) * min(1.0, frac / anchor_warmup))
+        positions = None                     # (anchors < T: the last row is never trained)
+        if position_skip > 0 and float(torch.rand((), generator=gen)) < position_skip:
+            positions = skipped_positions(T, max_position - drafter.config.block_size, gen)
         anchors = sample_anchors(seq["trained"], blocks, gen, max_anchor)
-        loss, _, _, _, valid = block_step(drafter, target, seq, anchors, w, t2d, scale)
-        return loss, {"rows": int(valid.sum())}
+        loss, _, _, _, valid = block_step(drafter, target, seq, anchors, w, t2d, scale,
+                                          positions)
+        return loss, {"rows": int(valid.sum()), "skipped": positions is not None}
     return loss_fn
 
 
@@ -182,6 +208,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
     p.add_argument("--min-context", type=int, default=32)
+    p.add_argument("--position-skip", type=float, default=0.0,
+                   help="position-robust training: the share of steps whose context positions "
+                        "skip forward (one random gap, PoSE-style) so that distances up to "
+                        "--max-position are trained with --seq-len keys (0 = off)")
+    p.add_argument("--max-position", type=int, default=None,
+                   help="largest position id of --position-skip (default: the target's "
+                        "max_position_embeddings)")
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -212,7 +245,9 @@ def main(args: argparse.Namespace) -> dict:
     print(f"sharpdraft train dflash: {meta['drafter_params'] / 1e6:.2f}M parameters",
           file=sys.stderr)
     loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma, scale=scale,
-                        anchor_warmup=args.anchor_warmup, min_context=args.min_context)
+                        anchor_warmup=args.anchor_warmup, min_context=args.min_context,
+                        position_skip=args.position_skip,
+                        max_position=args.max_position or target.config.max_position_embeddings)
     result = fit(drafter, target, loss_fn,
                  lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
                                   args.gamma, scale=scale),
