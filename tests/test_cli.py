@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from sharpdraft import cli
+from sharpdraft.drafters import registry
 from sharpdraft_helpers import tiny_target
 
 WORDS = ("the lord god said unto him and her earth heaven light day night water was it "
@@ -206,7 +207,7 @@ def test_drafter_checkpoint_with_fields_outside_the_target(tmp_path, kind, edit,
     target = tiny_target()
     make = {"dflash": tiny_drafter, "eagle3": tiny_eagle3}[kind]
     folder = _saved_drafter(tmp_path, kind, make, target, edit)
-    drafter_cls = cli.DRAFTERS[kind]
+    drafter_cls = registry.get(kind).cls
     assert drafter_cls.load(folder) is not None            # loads without a target
     with pytest.raises(ValueError, match=str(folder)) as exc:
         drafter_cls.load(folder, target=target)
@@ -230,14 +231,14 @@ def test_drafter_checkpoint_for_another_target(tmp_path, kind):
     folder = tmp_path / kind
     drafter.save(folder)
     with pytest.raises(ValueError, match=str(folder)) as exc:
-        cli.DRAFTERS[kind].load(folder, target=tiny_target())
+        registry.get(kind).cls.load(folder, target=tiny_target())
     msg = str(exc.value)
     want = {"dflash": ["hidden_size is 32", "target_hidden_size is 32", "target_layer_ids"],
             "eagle3": ["hidden_size is 32", "target_hidden_size is 32", "[5, 7]"],
             "pard": ["hidden_size is 32", "draft_vocab_size is 280"]}[kind]
     for w in want:
         assert w in msg, (w, msg)
-    cli.DRAFTERS[kind].load(folder, target=other).check_target(other)
+    registry.get(kind).cls.load(folder, target=other).check_target(other)
 
 
 @pytest.mark.parametrize("saved,loaded", [("eagle3", "dflash"), ("dflash", "pard"),
@@ -248,8 +249,8 @@ def test_checkpoint_of_another_drafter_kind(tmp_path, saved, loaded):
     make = {"dflash": tiny_drafter, "eagle3": tiny_eagle3, "pard": tiny_pard}[saved]
     folder = _saved_drafter(tmp_path, saved, make, target)
     with pytest.raises(ValueError, match=str(folder)) as exc:
-        cli.DRAFTERS[loaded].load(folder, target=target)
-    assert cli.DRAFTERS[loaded].config_class.__name__ in str(exc.value)
+        registry.get(loaded).cls.load(folder, target=target)
+    assert registry.get(loaded).cls.config_class.__name__ in str(exc.value)
     if (saved, loaded) == ("eagle3", "dflash"):  # the TypeError about norm_features
         assert "norm_features" in str(exc.value) and "mask_token_id" in str(exc.value)
 

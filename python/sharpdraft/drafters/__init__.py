@@ -3,7 +3,8 @@
 Every drafter borrows the target's embeddings and LM head, drafts over a reduced vocabulary, runs
 its attention through `sharpdraft_ext.sharp_attention` (its `sharp` SharpConfig: mode "none" is the
 frozen drafter, "fixed_slope" SharpDraft), and plugs into `sharpdraft.engine` through the session
-protocol of `drafters.base`.
+protocol of `drafters.base`. `drafters.registry` lists the kinds (class, untrained builder,
+training recipe, shipped checkpoint) for the CLI, the bench and `sharpdraft train`.
 """
 from .base import Drafter
 from .dflash import DFlashConfig, DFlashDrafter

@@ -6,16 +6,18 @@
   the feature scale;
 - `loop`: the shared options, data loading and optimisation loop (`fit`);
 - one recipe module per drafter (`dflash`, `eagle3`, `pard`), each with `add_arguments(parser)`
-  and `main(args)`; `RECIPES` names them.
+  and `main(args)`, named by the drafter registry (`drafters.registry`).
 """
-RECIPES = {"dflash": "sharpdraft.training.dflash", "eagle3": "sharpdraft.training.eagle3",
-           "pard": "sharpdraft.training.pard"}
 
 
 def recipe(name: str):
-    """The recipe module of drafter kind `name` (a key of RECIPES)."""
+    """The training recipe module of drafter kind `name`.
+
+    Raises:
+        ValueError: no such drafter kind.
+    """
     import importlib
 
-    if name not in RECIPES:
-        raise ValueError(f"no training recipe for drafter {name!r}; known: {sorted(RECIPES)}")
-    return importlib.import_module(RECIPES[name])
+    from ..drafters import registry
+
+    return importlib.import_module(registry.get(name).recipe)

@@ -1,0 +1,89 @@
+"""One place that lists every drafter kind: the CLI, the bench and the training command read it
+instead of switching on drafter names.
+
+A `DrafterKind` says which class implements a kind, how to build an untrained one for a target,
+which module holds its training recipe (`sharpdraft train <name>`), and the folder name of its
+shipped checkpoint for the default target; whether it drafts trees comes from its class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+from .base import Drafter
+from .dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .eagle3 import Eagle3Config, Eagle3Drafter
+from .pard import PARDConfig, PARDDrafter
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """name: the CLI's --drafter value; title: its name in prose; cls: the Drafter class;
+    untrained(target, tokenizer, layers, block_size) -> an untrained drafter for that target
+    (lossless, tau about 1; `layers` / `block_size` where the kind has them); recipe: the module
+    of its training recipe (`add_arguments(parser)`, `main(args)`); checkpoint: its shipped
+    checkpoint folder under sharpdraft/checkpoints for the default target."""
+
+    name: str
+    title: str
+    cls: type
+    untrained: Callable[..., Drafter]
+    recipe: str
+    checkpoint: str = ""
+
+    @property
+    def trees(self) -> bool:
+        """Whether it drafts trees (its sessions have propose_tree; tree verification)."""
+        return bool(self.cls.drafts_trees)
+
+
+def _dflash(target, tokenizer, layers: int, block_size: int) -> Drafter:
+    cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
+                                   num_layers=layers, block_size=block_size)
+    return DFlashDrafter(cfg)
+
+
+def _eagle3(target, tokenizer, layers: int, block_size: int) -> Drafter:
+    return Eagle3Drafter(Eagle3Config.from_target(target.config))
+
+
+def _pard(target, tokenizer, layers: int, block_size: int) -> Drafter:
+    drafter = PARDDrafter(PARDConfig.from_target(target.config, num_layers=layers,
+                                                 num_draft_tokens=block_size - 1))
+    drafter.init_from_target(target)        # the target's first layers: an early-exit model
+    return drafter
+
+
+KINDS: Dict[str, DrafterKind] = {k.name: k for k in (
+    DrafterKind("dflash", "DFlash", DFlashDrafter, _dflash, "sharpdraft.training.dflash",
+                checkpoint="dflash-smollm2"),
+    DrafterKind("eagle3", "EAGLE-3", Eagle3Drafter, _eagle3, "sharpdraft.training.eagle3",
+                checkpoint="eagle3-smollm2"),
+    DrafterKind("pard", "PARD", PARDDrafter, _pard, "sharpdraft.training.pard",
+                checkpoint="pard-smollm2"),
+)}
+
+
+def names() -> List[str]:
+    """The registered kinds, sorted."""
+    return sorted(KINDS)
+
+
+def get(name: str) -> DrafterKind:
+    """The kind registered as `name`.
+
+    Raises:
+        ValueError: no such kind (the message lists the known ones).
+    """
+    if name not in KINDS:
+        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(names())}")
+    return KINDS[name]
+
+
+def build_untrained(name: str, target, tokenizer, *, layers: int = 2, block_size: int = 8,
+                    seed: int = 0) -> Drafter:
+    """An untrained drafter of kind `name` for `target`, seeded, in eval mode."""
+    torch.manual_seed(seed)
+    return get(name).untrained(target, tokenizer, layers, block_size).eval()
