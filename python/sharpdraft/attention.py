@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,7 +37,10 @@ class SharpConfig:
     mode: "fixed_slope" (beta = 1 + slope ln(n / n_ref)), "exact_topk", or "none" (beta = 1,
     plain attention: the frozen baseline). slope: lambda. n_ref: reference cardinality (a
     drafter's training context length). topk, contrast: k and Delta of the exact correction.
-    beta_min, beta_max: clamp of beta.
+    beta_min, beta_max: clamp of beta (beta_min = beta_max = c with slope 0 is a constant
+    beta = c). layer_slopes: calibrated slopes (SPEC §7), one entry per drafter layer, each a
+    float or a list of per-head floats; a layer's entry replaces `slope` in that layer (layers
+    past the list, and calls that name no layer, use `slope`).
     """
 
     mode: str = "fixed_slope"
@@ -46,6 +50,7 @@ class SharpConfig:
     contrast: float = 5.0
     beta_min: float = 1.0
     beta_max: float = math.inf
+    layer_slopes: Optional[list] = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -54,25 +59,60 @@ class SharpConfig:
             raise ValueError(f"SharpConfig.n_ref must be >= 1, got {self.n_ref}")
         if not math.isfinite(self.slope):
             raise ValueError(f"SharpConfig.slope must be finite, got {self.slope}")
+        for i, entry in enumerate(self.layer_slopes or []):
+            values = entry if isinstance(entry, (list, tuple)) else [entry]
+            if not values or not all(isinstance(x, (int, float)) and math.isfinite(x)
+                                     for x in values):
+                raise ValueError(f"SharpConfig.layer_slopes[{i}] must be a finite float or a "
+                                 f"non-empty list of finite floats, got {entry!r}")
 
-    def kernel_kwargs(self) -> dict:
-        """Keyword arguments of `sharpdraft_ext.sharp_attention`."""
-        return dataclasses.asdict(self)
+    def kernel_kwargs(self, layer: Optional[int] = None) -> dict:
+        """Keyword arguments of `sharpdraft_ext.sharp_attention` for drafter layer `layer`
+        (its calibrated slope, a float or a per-head float32 tensor, when it has one)."""
+        kw = dataclasses.asdict(self)
+        slopes = kw.pop("layer_slopes")
+        if slopes and layer is not None and layer < len(slopes):
+            entry = slopes[layer]
+            kw["slope"] = (torch.tensor(entry, dtype=torch.float32)
+                           if isinstance(entry, (list, tuple)) else float(entry))
+        return kw
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> "SharpConfig":
         return cls(**(d or {}))
 
 
+_OBSERVERS: list = []
+
+
+@contextmanager
+def observe(callback):
+    """Call `callback(module, layer, q, k, kwargs, sharp_kwargs)` on every `attend` inside the
+    block (q, k as the kernel sees them; kwargs: causal / window / attn_mask / scale ...;
+    sharp_kwargs: the scaling keywords, slope resolved for the layer). For analyses
+    (`sharpdraft.analysis`), never the hot path: with no observer `attend` checks one list."""
+    _OBSERVERS.append(callback)
+    try:
+        yield callback
+    finally:
+        _OBSERVERS.remove(callback)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharp: SharpConfig,
+           layer: Optional[int] = None, module: Optional[torch.nn.Module] = None,
            **kwargs) -> torch.Tensor:
-    """`sharpdraft_ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs())`; when
+    """`sharpdraft_ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs(layer))`; when
     training (autograd on and q requires grad) the differentiable reference computes the same
-    maths without upcasting, since the fused kernel has no backward."""
+    maths without upcasting, since the fused kernel has no backward.
+
+    layer: the drafter layer index (selects its calibrated slope); module: the calling
+    attention module (what `observe` callbacks see, to tell layers and models apart)."""
+    skw = sharp.kernel_kwargs(layer)
+    for callback in _OBSERVERS:
+        callback(module, layer, q, k, kwargs, skw)
     if torch.is_grad_enabled() and q.requires_grad:
-        return ext.reference.sharp_attention_ref(q, k, v, upcast=False, **kwargs,
-                                                 **sharp.kernel_kwargs())
-    return ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs())
+        return ext.reference.sharp_attention_ref(q, k, v, upcast=False, **kwargs, **skw)
+    return ext.sharp_attention(q, k, v, **kwargs, **skw)
 
 
 def set_sharp_config(model: torch.nn.Module, sharp: SharpConfig) -> None:
@@ -118,8 +158,9 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         causal = causal and query.shape[2] > 1
         window = kwargs.get("sliding_window") if causal else None
-    out = attend(query, key, value, sharp, causal=causal, window=window,
-                 attn_mask=attention_mask, scale=scaling)
+    out = attend(query, key, value, sharp, layer=getattr(module, "layer_idx", None),
+                 module=module, causal=causal, window=window, attn_mask=attention_mask,
+                 scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -160,6 +160,22 @@ def cmd_bench(args) -> dict:
     return {"target": provenance, "runs": len(rows)}
 
 
+def cmd_analyze(args) -> dict:
+    """`sharpdraft analyze mass`: the frozen drafter's attention probed while decoding held-out
+    KJV passages (sharpdraft.analysis.mass.run)."""
+    from .analysis import mass
+
+    target, tokenizer, provenance = load_target_for(args)
+    for n in args.lengths:
+        check_context(target, n + 64, args.steps, f"--lengths {n}")
+    drafter = build_drafter(target, tokenizer, args)
+    rows = mass.run(target, tokenizer, drafter, drafter_name=args.drafter, lengths=args.lengths,
+                    steps=args.steps, out=args.out, topk=args.topk, rows=args.rows,
+                    seed=args.seed, include_target=not args.no_target)
+    print((Path(args.out) / "mass.md").read_text())
+    return {"target": provenance, "out": args.out, "rows": len(rows)}
+
+
 def cmd_generate(args) -> dict:
     target, tokenizer, provenance = load_target_for(args)
     prompt = args.prompt_text if args.prompt_text is not None else KJV_TASK
@@ -343,7 +359,21 @@ def parser() -> argparse.ArgumentParser:
                     help="one shard in this many is held out (0: none)")
     dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
-    p.commands = {"generate": g, "bench": b, "train": t, "data": dg}
+    a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
+    analyses = a.add_subparsers(dest="analysis", required=True, metavar="{mass}")
+    am = analyses.add_parser(
+        "mass", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="top-k attention mass and locality of each drafter layer (and the target's) "
+             "against context, under every scaling, while decoding held-out text")
+    _common(am)
+    am.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 7000],
+                    help="KJV Genesis (held out) passage lengths in tokens")
+    am.add_argument("--steps", type=int, default=8, help="decoding steps probed per context")
+    am.add_argument("--topk", type=int, default=32, help="k of the top-k mass")
+    am.add_argument("--rows", type=int, default=16, help="query rows sampled per attention call")
+    am.add_argument("--no-target", action="store_true", help="skip the target's own layers")
+    am.add_argument("--out", default="analysis/mass", help="output folder")
+    p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": am}
     return p
 
 
@@ -409,6 +439,12 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
         if args.temperature <= 0:
             p.error(f"--temperature must be > 0 (it is the sampled batches'), got "
                     f"{args.temperature}")
+    if args.command == "analyze":
+        for name in ("steps", "topk", "rows"):
+            positive(name)
+        for n in args.lengths:
+            if n < 1:
+                p.error(f"--lengths must be >= 1 tokens each, got {n}")
     if args.command == "bench":
         if args.maths < 0:
             p.error(f"--maths must be >= 0, got {args.maths}")
@@ -429,6 +465,10 @@ def main(argv=None) -> int:
         return 0
     if args.command == "data":
         report = cmd_data(args)
+        print(json.dumps(report, indent=2))
+        return 0
+    if args.command == "analyze":
+        report = cmd_analyze(args)
         print(json.dumps(report, indent=2))
         return 0
     if args.command == "train":

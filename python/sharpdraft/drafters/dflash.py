@@ -131,7 +131,7 @@ class DFlashAttention(HeadProjections):
         if attn_mask is None:  # inference: optionally the last `window` context keys only
             kc, vc, _ = last_keys(kc, vc, window)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
-        out = attend(q, k, v, sharp, attn_mask=attn_mask)
+        out = attend(q, k, v, sharp, layer=layer, module=self, attn_mask=attn_mask)
         return self.out(out)
 
 

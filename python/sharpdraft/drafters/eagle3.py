@@ -175,8 +175,8 @@ class Eagle3Drafter(Drafter):
         if cache is not None:
             k, v = cache.update(k, v, 0)
             k, v, attn_mask = last_keys(k, v, self.context_window, q.shape[2], attn_mask)
-        o = attend(q, k, v, self.sharp, causal=attn_mask is None and q.shape[2] > 1,
-                   attn_mask=attn_mask)
+        o = attend(q, k, v, self.sharp, layer=0, module=self.self_attn,
+                   causal=attn_mask is None and q.shape[2] > 1, attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
 
     # ----- training -----------------------------------------------------------------------------
@@ -215,7 +215,7 @@ class Eagle3Drafter(Drafter):
             mask = torch.cat([vis0] + [diag] * d, dim=1)
             kk = torch.cat([kd[:, :, :n] for kd in keys], dim=2)
             vv = torch.cat([vd[:, :, :n] for vd in values], dim=2)
-            o = attend(q, kk, vv, self.sharp, attn_mask=mask)
+            o = attend(q, kk, vv, self.sharp, layer=0, module=self.self_attn, attn_mask=mask)
             normed, hidden = self._layer_out(hidden[:, :n], self.self_attn.out(o))
             out.append(self.head(target, normed[0]))
         return out

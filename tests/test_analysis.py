@@ -1,0 +1,118 @@
+"""sharpdraft.analysis.mass: row statistics by hand, the probe's logits against the kernel, the
+scalings' properties, and the command on tiny models."""
+import math
+
+import pytest
+import torch
+
+import sharpdraft_ext as ext
+from sharpdraft.analysis import mass
+from sharpdraft.attention import SharpConfig, observe
+from sharpdraft.engine import speculative_generate
+from sharpdraft_helpers import tiny_drafter, tiny_target
+
+
+def test_two_level_rows_have_the_spec_topk_mass():
+    """SPEC §1: k keys at logit a, n - k at b: M = 1 / (1 + (n - k) / k * exp(-beta Delta))."""
+    n, k, a, b = 300, 8, 2.5, -1.0
+    logits = torch.full((2, n), b, dtype=torch.float64)
+    logits[:, 50:50 + k] = a
+    vis = torch.ones(2, n, dtype=torch.bool)
+    beta = torch.tensor([1.0, 1.7], dtype=torch.float64)
+    st = mass.row_statistics(logits, vis, beta, topk=k, n_ref=100)
+    want = [1 / (1 + (n - k) / k * math.exp(-bt * (a - b))) for bt in beta.tolist()]
+    assert st["topk_mass"].tolist() == pytest.approx(want, rel=1e-12)
+
+
+def test_locality_by_hand():
+    # 6 keys, the row sees keys 0..4 (key 5 masked); newest visible = 4
+    logits = torch.tensor([[4.0, 0.0, 0.0, 0.0, 1.0, 9.0]], dtype=torch.float64)
+    vis = torch.tensor([[True] * 5 + [False]])
+    st = mass.row_statistics(logits, vis, torch.ones(1, dtype=torch.float64), topk=1, n_ref=3)
+    p = torch.softmax(logits[0, :5], 0)
+    assert float(st["topk_mass"]) == pytest.approx(float(p[0]))
+    assert float(st["far_share"]) == pytest.approx(float(p[:2].sum()))   # distance >= 3: 0, 1
+    assert float(st["recent_share"]) == pytest.approx(1.0)               # all within 32
+    assert float(st["argmax_distance"]) == 4.0                           # key 0 is 4 back
+
+
+@pytest.mark.parametrize("case", ["causal", "mask", "full"])
+def test_probe_logits_reproduce_the_kernel(case):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 16, generator=g)
+    k, v = torch.randn(1, 2, 20, 16, generator=g), torch.randn(1, 2, 20, 16, generator=g)
+    kw = {"causal": case == "causal"}
+    if case == "mask":
+        kw["attn_mask"] = torch.rand(1, 1, 6, 20, generator=g) > 0.4
+    rows = torch.tensor([0, 3, 5])
+    rows, logits, vis = mass.row_logits(q, k, kw, rows)
+    p = torch.softmax(logits.masked_fill(~vis, float("-inf")), -1)
+    got = p @ v.repeat_interleave(2, dim=1)
+    ref = ext.sharp_attention(q, k, v, mode="none", **kw)[:, :, rows]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def probed():
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4, train_context=16)
+    suite = mass.scaling_suite(16, topk=4)
+    probe = mass.AttentionProbe(mass.attention_modules(drafter, target), suite, topk=4, rows=8)
+    for L in (12, 60):
+        probe.context = L
+        ids = torch.randint(3, 250, (1, L), generator=torch.Generator().manual_seed(L))
+        with observe(probe):
+            speculative_generate(target, drafter, ids, 6)
+    return probe, mass.summarise(probe)
+
+
+def test_probe_records_every_drafter_and_target_layer(probed):
+    probe, rows = probed
+    layers = {(r["model"], r["layer"]) for r in rows}
+    assert layers == {("drafter", 0), ("drafter", 1)} | {("target", i) for i in range(4)}
+    assert {r["scaling"] for r in rows if r["model"] == "target"} == {"frozen"}
+    assert {r["context"] for r in rows} == {12, 60}
+    for r in rows:
+        assert 0 < r["topk_mass"] <= 1 + 1e-6 and r["rows"] > 0
+        assert len(r["topk_mass_per_head"]) == 4
+
+
+def test_scalings_raise_mass_only_past_n_ref(probed):
+    """beta >= 1 never lowers top-k mass (d/dbeta of the top set's log-mass is E_top z - E z
+    >= 0); fixed_slope is beta = 1, i.e. frozen, where n <= n_ref."""
+    probe, rows = probed
+    for rec in probe.records.values():
+        if "slope 0.2" not in rec.stats:
+            continue
+        n = torch.cat(rec.n)
+        frozen = torch.cat(rec.stats["frozen"]["topk_mass"])
+        for name in ("slope 0.1", "slope 0.4", "const e^0.2", "exact_topk"):
+            other = torch.cat(rec.stats[name]["topk_mass"])
+            assert bool((other >= frozen - 1e-6).all()), name
+        short = n <= 16
+        assert short.any() and (~short).any()
+        slope = torch.cat(rec.stats["slope 0.4"]["topk_mass"])
+        torch.testing.assert_close(slope[short], frozen[short])
+        assert bool((slope[~short] > frozen[~short]).any())
+        const = torch.cat(rec.stats["const e^0.2"]["topk_mass"])
+        assert bool((const[short] > frozen[short]).any())          # constant: everywhere
+
+
+def test_analyze_mass_writes_its_report(tmp_path):
+    from sharpdraft.bench import build_prompts  # noqa: F401  (the command's prompt builder)
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4, train_context=16)
+
+    class Tok:                     # build_prompts needs a tokenizer: bytes of the text
+        chat_template = None
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [min(b, 255) for b in text.encode()]})()
+        def decode(self, ids):
+            return bytes(ids).decode("latin1")
+        def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False):
+            return [min(b, 255) for b in msgs[0]["content"].encode()][-120:]
+    rows = mass.run(target, Tok(), drafter, drafter_name="dflash", lengths=[30, 80], steps=3,
+                    out=tmp_path, topk=4, rows=4)
+    assert rows and (tmp_path / "mass.json").exists() and (tmp_path / "mass.png").exists()
+    md = (tmp_path / "mass.md").read_text()
+    assert "| frozen |" in md and "| slope 0.2 |" in md and "| drafter | 1 |" in md
