@@ -116,3 +116,56 @@ def test_analyze_mass_writes_its_report(tmp_path):
     assert rows and (tmp_path / "mass.json").exists() and (tmp_path / "mass.png").exists()
     md = (tmp_path / "mass.md").read_text()
     assert "| frozen |" in md and "| slope 0.2 |" in md and "| drafter | 1 |" in md
+
+
+# ----- calibration -----------------------------------------------------------------------------
+def test_contrast_inverts_the_two_level_mass():
+    from sharpdraft.analysis import calibrate
+    for n_ref, k, delta in ((1024, 32, 5.0), (512, 8, 2.3), (2048, 32, 7.5)):
+        m = 1 / (1 + (n_ref - k) / k * math.exp(-delta))        # SPEC §1 at beta = 1
+        assert calibrate.contrast_from_mass(m, n_ref, k) == pytest.approx(delta, rel=1e-10)
+        assert calibrate.slope_from_mass(m, n_ref, k) == pytest.approx(1 / delta, rel=1e-10)
+    assert calibrate.slope_from_mass(32 / 1024, 1024, 32) == calibrate.MAX_SLOPE  # uniform
+    assert calibrate.slope_from_mass(1.0, 1024, 32) == 0.0                        # one-hot
+    with pytest.raises(ValueError, match="n_ref must exceed k"):
+        calibrate.contrast_from_mass(0.5, 32, 32)
+
+
+def test_calibrate_writes_slopes_that_generate_then_uses(tmp_path):
+    from sharpdraft import cli
+    from sharpdraft.analysis import calibrate
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4, train_context=40)
+    folder = tmp_path / "ckpt"
+    drafter.save(folder)
+
+    class Tok:
+        chat_template = None
+        eos_token_id = None
+        def __call__(self, text, add_special_tokens=False):
+            return type("E", (), {"input_ids": [min(b, 255) for b in text.encode()]})()
+        def decode(self, ids):
+            return bytes(ids).decode("latin1")
+        def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False):
+            return [min(b, 255) for b in msgs[0]["content"].encode()][-60:]
+    rep = calibrate.run(target, Tok(), drafter, checkpoint=folder, out=tmp_path / "rep", steps=4,
+                        topk=4, rows=8)
+    values = rep["sharp_slopes"]
+    assert len(values) == 2 and all(0.0 <= v <= calibrate.MAX_SLOPE for v in values)
+    for layer, m in rep["measured"].items():      # each slope is its layer's inverted mass
+        assert values[layer] == pytest.approx(calibrate.slope_from_mass(m["mass"], 40, 4),
+                                              abs=1e-4)
+    assert (tmp_path / "rep" / "calibrate.png").exists()
+    loaded = type(drafter).load(folder, target=target)
+    assert loaded.config.sharp_slopes == values
+    args = cli.parser().parse_args(["generate", "--drafter-path", str(folder), "--target", "x"])
+    built = cli.build_drafter(target, Tok(), args)
+    assert built.sharp.layer_slopes == values and built.sharp.mode == "fixed_slope"
+    args = cli.parser().parse_args(["generate", "--drafter-path", str(folder), "--slope", "0.3"])
+    assert cli.build_drafter(target, Tok(), args).sharp.layer_slopes is None  # --slope wins
+    # the kernel sees each layer's own slope
+    seen, mine = {}, {id(m) for m in built.modules()}
+    with observe(lambda mod, layer, q, k, kw, skw: id(mod) in mine
+                 and seen.setdefault(layer, skw["slope"])):
+        speculative_generate(target, built, torch.tensor([[5, 6, 7, 8, 9]]), 3)
+    assert [seen[i] for i in range(2)] == pytest.approx(values)

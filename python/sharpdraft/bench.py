@@ -9,11 +9,12 @@ tau_vs_context.png.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import matplotlib
 import torch
@@ -124,21 +125,21 @@ def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
 
 
 def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_tokens: int,
-              slope: float, out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
+              slope: Optional[float], out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
     """Run AR, then every variant frozen and with SharpDraft (greedy), on every prompt; write
     bench.json, bench.md and tau_vs_context.png to `out_dir`.
 
     variants: {label: (drafter, tree)}, e.g. {"eagle3-chain": (d, False), "eagle3-tree": (d,
-    True)}; each drafter runs with SharpConfig mode "none" and "fixed_slope" (`slope`, the n_ref
-    of its current `sharp` config), keys "<label>-frozen" and "<label>-sharp" of each row.
+    True)}; each drafter runs with its current `sharp` config in mode "none" and in mode
+    "fixed_slope" (its n_ref and calibrated layer slopes kept; `slope`, when given, replaces
+    its slope), keys "<label>-frozen" and "<label>-sharp" of each row.
     draft_threshold: passed to chain decoding (0: whole blocks are verified).
     """
     methods = {}
     for label, (drafter, tree) in variants.items():
-        n_ref = drafter.sharp.n_ref
-        methods[f"{label}-frozen"] = (drafter, tree, SharpConfig(mode="none", n_ref=n_ref))
-        methods[f"{label}-sharp"] = (drafter, tree, SharpConfig(mode="fixed_slope", slope=slope,
-                                                                n_ref=n_ref))
+        base = drafter.sharp if slope is None else dataclasses.replace(drafter.sharp, slope=slope)
+        methods[f"{label}-frozen"] = (drafter, tree, dataclasses.replace(base, mode="none"))
+        methods[f"{label}-sharp"] = (drafter, tree, dataclasses.replace(base, mode="fixed_slope"))
     rows = []
     eos = tokenizer.eos_token_id
     for drafter, tree, sharp in methods.values():
@@ -158,7 +159,10 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
                          "identical_to_ar": res.tokens == ar.tokens}
         rows.append(row)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"max_new_tokens": max_new_tokens, "slope": slope,
+    meta = {"max_new_tokens": max_new_tokens,
+            "slope": {label: methods[f"{label}-sharp"][2].slope for label in variants},
+            "layer_slopes": {label: methods[f"{label}-sharp"][2].layer_slopes
+                             for label in variants},
             "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
             "variants": list(variants), "draft_threshold": draft_threshold,
             "context_window": {label: d.context_window for label, (d, _) in variants.items()},
@@ -189,8 +193,10 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
     (speedup)."""
     variants = meta.get("variants", ["dflash"])
     windows = {k: v for k, v in meta.get("context_window", {}).items() if v is not None}
+    calibrated = {k: v for k, v in meta.get("layer_slopes", {}).items() if v}
     lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, SharpDraft slope "
              f"{meta['slope']}, n_ref {meta['n_ref']}"
+             + (f", calibrated layer slopes {calibrated}" if calibrated else "")
              + (f", drafter context window {windows}" if windows else "")
              + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
                 else "") + ".", "",

@@ -87,9 +87,11 @@ def build_drafter(target, tokenizer, args):
               f"(tau ~ 1)", file=sys.stderr)
     drafter.context_window = getattr(args, "context_window", None)
     sharp = getattr(args, "sharp", True)      # bench runs both, whatever this says
-    drafter.sharp = SharpConfig(mode="fixed_slope" if sharp else "none", slope=args.slope,
+    calibrated = getattr(drafter.config, "sharp_slopes", None) if args.slope is None else None
+    drafter.sharp = SharpConfig(mode="fixed_slope" if sharp else "none",
+                                slope=0.2 if args.slope is None else args.slope,
                                 n_ref=args.n_ref if args.n_ref is not None
-                                else drafter.config.train_context)
+                                else drafter.config.train_context, layer_slopes=calibrated)
     return drafter.to(dtype=target.dtype)
 
 
@@ -161,14 +163,25 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_analyze(args) -> dict:
-    """`sharpdraft analyze mass`: the frozen drafter's attention probed while decoding held-out
-    KJV passages (sharpdraft.analysis.mass.run)."""
-    from .analysis import mass
+    """`sharpdraft analyze mass|calibrate`: the frozen drafter's attention probed while decoding
+    held-out KJV passages (sharpdraft.analysis.mass.run / calibrate.run)."""
+    from .analysis import calibrate, mass
 
     target, tokenizer, provenance = load_target_for(args)
+    drafter = build_drafter(target, tokenizer, args)
+    if args.analysis == "calibrate":
+        folder = None if args.no_write else default_drafter_path(args)
+        if folder is None and not args.no_write:
+            raise SystemExit("sharpdraft analyze calibrate: error: an untrained drafter has no "
+                             "checkpoint to write into: pass --drafter-path or --no-write")
+        rep = calibrate.run(target, tokenizer, drafter, checkpoint=folder, out=args.out,
+                            steps=args.steps, topk=args.topk, rows=args.rows,
+                            per_head=args.per_head, seed=args.seed, drafter_name=args.drafter)
+        print((Path(args.out) / "calibrate.md").read_text())
+        return {"target": provenance, "out": args.out, "checkpoint": rep["checkpoint"],
+                "sharp_slopes": rep["sharp_slopes"]}
     for n in args.lengths:
         check_context(target, n + 64, args.steps, f"--lengths {n}")
-    drafter = build_drafter(target, tokenizer, args)
     rows = mass.run(target, tokenizer, drafter, drafter_name=args.drafter, lengths=args.lengths,
                     steps=args.steps, out=args.out, topk=args.topk, rows=args.rows,
                     seed=args.seed, include_target=not args.no_target)
@@ -275,7 +288,10 @@ def _common(g: argparse.ArgumentParser) -> None:
                    help="untrained DFlash block size / PARD drafts + 1")
     g.add_argument("--drafter-layers", type=int, default=2,
                    help="layers of an untrained DFlash or PARD drafter")
-    g.add_argument("--slope", type=float, default=0.2, help="SharpDraft slope lambda")
+    g.add_argument("--slope", type=float, default=None,
+                   help="SharpDraft slope lambda (default: the drafter checkpoint's calibrated "
+                        "per-layer slopes (sharpdraft analyze calibrate) where it has them, "
+                        "else 0.2)")
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
     g.add_argument("--draft-threshold", type=float, default=0.0,
@@ -360,7 +376,7 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
     a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
-    analyses = a.add_subparsers(dest="analysis", required=True, metavar="{mass}")
+    analyses = a.add_subparsers(dest="analysis", required=True, metavar="{mass,calibrate}")
     am = analyses.add_parser(
         "mass", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="top-k attention mass and locality of each drafter layer (and the target's) "
@@ -373,7 +389,19 @@ def parser() -> argparse.ArgumentParser:
     am.add_argument("--rows", type=int, default=16, help="query rows sampled per attention call")
     am.add_argument("--no-target", action="store_true", help="skip the target's own layers")
     am.add_argument("--out", default="analysis/mass", help="output folder")
-    p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": am}
+    ac = analyses.add_parser(
+        "calibrate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="per-layer slopes from each drafter layer's top-k mass at n_ref (SPEC section 1), "
+             "written into the checkpoint's config.json (--drafter-path)")
+    _common(ac)
+    ac.add_argument("--steps", type=int, default=16, help="decoding steps probed")
+    ac.add_argument("--topk", type=int, default=32, help="k of the top-k mass")
+    ac.add_argument("--rows", type=int, default=32, help="query rows sampled per attention call")
+    ac.add_argument("--per-head", action="store_true", help="one slope per head of each layer")
+    ac.add_argument("--no-write", action="store_true",
+                    help="report the slopes without writing them into the checkpoint")
+    ac.add_argument("--out", default="analysis/calibrate", help="report folder")
+    p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": a}
     return p
 
 
@@ -442,7 +470,7 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
     if args.command == "analyze":
         for name in ("steps", "topk", "rows"):
             positive(name)
-        for n in args.lengths:
+        for n in getattr(args, "lengths", []):
             if n < 1:
                 p.error(f"--lengths must be >= 1 tokens each, got {n}")
     if args.command == "bench":

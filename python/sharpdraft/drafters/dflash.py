@@ -65,6 +65,7 @@ class DFlashConfig:
     num_layers: int = 2
     block_size: int = 16
     train_context: int = 2048
+    sharp_slopes: Optional[list] = None   # calibrated per layer (analyze calibrate)
     draft_vocab_size: Optional[int] = None
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"

@@ -57,6 +57,7 @@ class Eagle3Config:
     target_hidden_size: int
     target_layer_ids: List[int]
     train_context: int = 1024
+    sharp_slopes: Optional[list] = None   # calibrated per layer (analyze calibrate)
     draft_vocab_size: Optional[int] = None
     norm_features: bool = True
     feed_normed_output: bool = True

@@ -52,6 +52,7 @@ class PARDConfig:
     num_layers: int = 4
     num_draft_tokens: int = 8
     train_context: int = 1024
+    sharp_slopes: Optional[list] = None   # calibrated per layer (analyze calibrate)
     draft_vocab_size: Optional[int] = None
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
