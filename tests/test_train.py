@@ -380,3 +380,22 @@ def test_dflash_position_skip_steps_train(setup):
     with pytest.raises(ValueError, match="max_position"):
         td.make_loss(drafter, target, train_c.load(), blocks=4, gamma=7.0, scale=None,
                      position_skip=0.5)
+
+
+def test_init_from_checkpoint_continues_the_saved_drafter(tmp_path):
+    target = tiny_target()
+    saved = tiny_drafter(target, block_size=4, train_context=96)
+    saved.to(torch.bfloat16).save(tmp_path / "d")
+    (tmp_path / "d" / "training.json").write_text(json.dumps(
+        {"steps_done": 7, "best_eval": {"tau_proxy": 1.5}, "command": "sharpdraft train x"}))
+    d, info = loop.init_from_checkpoint(DFlashDrafter, tmp_path / "d", target)
+    assert d.training and d.fc.weight.dtype == torch.float32
+    assert info["steps_done"] == 7 and info["best_eval"] == 1.5
+    for (n, a), b in zip(d.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(a.to(b.dtype), b), n
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2)).eval()     # another width
+    with pytest.raises(ValueError, match="drafter checkpoint"):
+        loop.init_from_checkpoint(DFlashDrafter, tmp_path / "d", other)

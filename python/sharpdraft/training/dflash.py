@@ -31,7 +31,8 @@ import torch
 from ..drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .losses import (distill_loss, draft_vocabulary, feature_scale, position_weights,
                      target_to_draft)
-from .loop import add_common_arguments, finish, fit, load_data, run_meta
+from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
+                   run_meta)
 
 
 def sample_anchors(trained: torch.Tensor, n: int, gen: torch.Generator,
@@ -227,21 +228,29 @@ def main(args: argparse.Namespace) -> dict:
                                    num_layers=args.layers, block_size=args.block_size,
                                    num_features=args.features, train_context=args.seq_len,
                                    draft_vocab_size=args.draft_vocab or None)
+    if args.init_from:
+        cfg = DFlashDrafter.read_config(args.init_from)
     t0 = time.time()
     train, held = load_data(args, target, tokenizer, provenance, cfg.target_layer_ids)
     if args.cache_only:
         return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
     cache_s = time.time() - t0
-    drafter = DFlashDrafter(cfg)
     tr = train["features"]
-    if cfg.draft_vocab_size is not None:
-        vocab = target.get_output_embeddings().weight.shape[0]
-        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-    init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
-    scale = feature_scale(tr.feature_rows())
+    init = None
+    if args.init_from:       # its fc already reads raw features: no second feature scale
+        drafter, init = init_from_checkpoint(DFlashDrafter, args.init_from, target)
+        init_layers, scale = None, None
+    else:
+        drafter = DFlashDrafter(cfg)
+        if cfg.draft_vocab_size is not None:
+            vocab = target.get_output_embeddings().weight.shape[0]
+            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+        init_layers = (init_from_target(drafter, target, args.init) if args.init != "random"
+                       else None)
+        scale = feature_scale(tr.feature_rows())
     out = Path(args.out)
     meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
-            "cache_seconds": round(cache_s, 1)}
+            "init_from": init, "cache_seconds": round(cache_s, 1)}
     print(f"sharpdraft train dflash: {meta['drafter_params'] / 1e6:.2f}M parameters",
           file=sys.stderr)
     loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma, scale=scale,

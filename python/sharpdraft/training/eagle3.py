@@ -29,7 +29,8 @@ import torch
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
-from .loop import add_common_arguments, finish, fit, load_data, run_meta
+from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
+                   run_meta)
 
 
 def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
@@ -161,18 +162,24 @@ def main(args: argparse.Namespace) -> dict:
     cfg = Eagle3Config.from_target(target.config, target_layer_ids=chosen,
                                    train_context=args.window, chain_length=args.chain_length,
                                    draft_vocab_size=args.draft_vocab or None)
-    drafter = Eagle3Drafter(cfg)
     tr = train["features"]
-    vocab = target.get_output_embeddings().weight.shape[0]
-    if cfg.draft_vocab_size is not None:
-        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+    init = None
+    if args.init_from:            # its feature scale is a buffer of the checkpoint: kept
+        drafter, init = init_from_checkpoint(Eagle3Drafter, args.init_from, target)
+        chosen = list(drafter.config.target_layer_ids)
+    else:
+        drafter = Eagle3Drafter(cfg)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        if cfg.draft_vocab_size is not None:
+            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
     cols = fused_columns(cached, chosen, target.config.hidden_size)
-    with torch.no_grad():
-        drafter.feature_scale.copy_(feature_scale(tr.feature_rows()[:, cols]))
+    if init is None:
+        with torch.no_grad():
+            drafter.feature_scale.copy_(feature_scale(tr.feature_rows()[:, cols]))
     loss_fn = make_loss(drafter, target, tr, cols, args.window, args.ttt_steps,
                         args.depth_decay)
     out = Path(args.out)
-    meta = run_meta(args, provenance, drafter, None, train, held)
+    meta = {**run_meta(args, provenance, drafter, None, train, held), "init_from": init}
     print(f"sharpdraft train eagle3: {meta['drafter_params'] / 1e6:.2f}M parameters, fused "
           f"target layers {chosen}", file=sys.stderr)
     result = fit(drafter, target, loss_fn,

@@ -55,8 +55,27 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
     p.add_argument("--cache-only", action="store_true",
                    help="build the feature caches and stop (a later run with the same data "
                         "options reuses them)")
+    p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                   help="continue from a drafter checkpoint of this kind (its geometry, draft "
+                        "vocabulary and weights; the geometry options are then ignored)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
+
+
+def init_from_checkpoint(cls, folder, target) -> tuple:
+    """(drafter, provenance) of `--init-from`: the checkpoint loaded (checked against the
+    target) in training mode, and what its training.json says of how it was made."""
+    import json
+
+    drafter = cls.load(folder, target=target).float().train()
+    info = {"folder": str(folder)}
+    record = Path(folder) / "training.json"
+    if record.exists():
+        t = json.loads(record.read_text())
+        info.update({k: t.get(k) for k in ("command", "steps_done", "train_seconds",
+                                            "train_data", "train_tokens_per_source")},
+                    best_eval=t.get("best_eval", {}).get("tau_proxy"))
+    return drafter, info
 
 
 def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):

@@ -29,7 +29,8 @@ from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
 from .eagle3 import window_start
 from .losses import copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft
-from .loop import add_common_arguments, finish, fit, load_data, run_meta
+from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
+                   run_meta)
 
 
 def _window(seq: dict, off: int, W: int, t2d):
@@ -143,15 +144,20 @@ def main(args: argparse.Namespace) -> dict:
     cfg = PARDConfig.from_target(target.config, num_layers=args.layers,
                                  num_draft_tokens=args.draft_tokens, train_context=args.window,
                                  draft_vocab_size=args.draft_vocab or None)
-    drafter = PARDDrafter(cfg)
     tr = train["features"]
-    vocab = target.get_output_embeddings().weight.shape[0]
-    if cfg.draft_vocab_size is not None:
-        drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-    init_layers = drafter.init_from_target(target)
+    init = None
+    if args.init_from:
+        drafter, init = init_from_checkpoint(PARDDrafter, args.init_from, target)
+        init_layers = None
+    else:
+        drafter = PARDDrafter(cfg)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        if cfg.draft_vocab_size is not None:
+            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+        init_layers = drafter.init_from_target(target)
     loss_fn = make_loss(drafter, target, tr, args.window, args.keep_rate)
     out = Path(args.out)
-    meta = run_meta(args, provenance, drafter, init_layers, train, held)
+    meta = {**run_meta(args, provenance, drafter, init_layers, train, held), "init_from": init}
     print(f"sharpdraft train pard: {meta['drafter_params'] / 1e6:.2f}M parameters",
           file=sys.stderr)
     result = fit(drafter, target, loss_fn,
