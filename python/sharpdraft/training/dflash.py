@@ -263,6 +263,7 @@ def main(args: argparse.Namespace) -> dict:
                  steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, desc="training dflash",
+                 seed=args.seed, meta=meta, eval_at_start=init is not None,
+                 desc="training dflash",
                  snapshot=lambda: folded_drafter(drafter, scale))
     return finish(out, meta, result)

@@ -123,7 +123,8 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
         lr: float, warmup: int, eval_every: int, out: Optional[Path], save_dtype: torch.dtype,
         max_seconds: Optional[float], seed: int = 0, weight_decay: float = 0.01,
         grad_clip: float = 1.0, meta: Optional[dict] = None, desc: str = "training",
-        snapshot: Optional[Callable[[], nn.Module]] = None, progress: bool = True) -> dict:
+        snapshot: Optional[Callable[[], nn.Module]] = None, progress: bool = True,
+        eval_at_start: bool = False) -> dict:
     """Train `drafter` in place.
 
     loss_fn(gen, frac) -> (loss tensor, dict of extra log fields): one step's loss on a batch
@@ -131,7 +132,8 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
     whichever is further; curricula read it). eval_fn() -> dict with at least "loss",
     "tau_proxy" and "top1_per_position": the held-out evaluation; the checkpoint with the best
     tau_proxy is written to `out` (`snapshot()`, default a copy of the drafter, saved in
-    `save_dtype`, plus training.json) through `save_atomically`.
+    `save_dtype`, plus training.json) through `save_atomically`. eval_at_start: evaluate
+    (and save) before the first step too (a continued checkpoint's starting point).
 
     Returns {"history", "evals", "best", "steps_done", "seconds"}.
     """
@@ -183,7 +185,7 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
                dynamic_ncols=True)
     step = 0
     for step in bar:
-        if step and step % eval_every == 0:
+        if (step and step % eval_every == 0) or (step == 0 and eval_at_start):
             do_eval(step)
         time_frac = (time.time() - t0) / max_seconds if max_seconds else 0.0
         for g in opt.param_groups:
