@@ -26,7 +26,7 @@ Public functions
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 

@@ -7,7 +7,7 @@ import torch
 
 import sharpdraft_ext as ext
 from sharpdraft.analysis import mass
-from sharpdraft.attention import SharpConfig, observe
+from sharpdraft.attention import observe
 from sharpdraft.engine import speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
@@ -99,7 +99,6 @@ def test_scalings_raise_mass_only_past_n_ref(probed):
 
 
 def test_analyze_mass_writes_its_report(tmp_path):
-    from sharpdraft.bench import build_prompts  # noqa: F401  (the command's prompt builder)
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4, train_context=16)
 

@@ -21,7 +21,6 @@ import torch
 from tqdm import tqdm
 
 from . import data
-from .attention import SharpConfig
 from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
                      tree_speculative_generate)
 

@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from ..drafters.dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
+from ..drafters.dflash import (DFlashConfig, DFlashDrafter, default_mask_token_id,
+                              evenly_spaced_layers)
 from .losses import (distill_loss, draft_vocabulary, feature_scale, position_weights,
                      target_to_draft)
-from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
+from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
                    run_meta)
 
 
@@ -219,22 +219,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from ..models import load_target
+    def layers(target):                  # the target layers whose outputs the drafter reads
+        if args.init_from:
+            return DFlashDrafter.read_config(args.init_from).target_layer_ids
+        return evenly_spaced_layers(target.config.num_hidden_layers, args.features)
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    target, tokenizer, provenance, train, held, cache_s = prepare_run(args, layers)
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
     cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                    num_layers=args.layers, block_size=args.block_size,
                                    num_features=args.features, train_context=args.seq_len,
                                    draft_vocab_size=args.draft_vocab or None)
-    if args.init_from:
-        cfg = DFlashDrafter.read_config(args.init_from)
-    t0 = time.time()
-    train, held = load_data(args, target, tokenizer, provenance, cfg.target_layer_ids)
-    if args.cache_only:
-        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
-    cache_s = time.time() - t0
     tr = train["features"]
     init = None
     if args.init_from:       # its fc already reads raw features: no second feature scale

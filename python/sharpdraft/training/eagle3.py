@@ -29,8 +29,8 @@ import torch
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
-from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
-                   run_meta)
+from .loop import (add_common_arguments, check_window, finish, fit, init_from_checkpoint,
+                   prepare_run, run_meta)
 
 
 def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
@@ -145,17 +145,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from ..models import load_target
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if not args.chain_length + 2 <= args.window <= args.seq_len:
-        raise SystemExit(f"--window must lie in [--chain-length + 2, --seq-len={args.seq_len}], "
-                         f"got {args.window}")
-    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    check_window(args, args.chain_length + 2, "--chain-length + 2")
+    target, tokenizer, provenance, train, held, _ = prepare_run(
+        args, lambda t: evenly_spaced_layers(t.config.num_hidden_layers, 4))
     L = target.config.num_hidden_layers
     cached = evenly_spaced_layers(L, 4)
-    train, held = load_data(args, target, tokenizer, provenance, cached)
     if args.cache_only:
         return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
     chosen = [cached[0], min(cached, key=lambda l: abs(l - L // 2)), cached[-1]]

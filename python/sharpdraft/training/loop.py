@@ -78,6 +78,26 @@ def init_from_checkpoint(cls, folder, target) -> tuple:
     return drafter, info
 
 
+def check_window(args, least: int, what: str) -> None:
+    """Refuse a --window outside [least, --seq-len] (SystemExit naming the flags)."""
+    if not least <= args.window <= args.seq_len:
+        raise SystemExit(f"--window must lie in [{what}, --seq-len={args.seq_len}], got "
+                         f"{args.window}")
+
+
+def prepare_run(args, layer_ids: Callable) -> tuple:
+    """Threads, seed, the target (float32) and the train / held-out caches of the target layers
+    `layer_ids(target)`: (target, tokenizer, provenance, train, held, cache_seconds)."""
+    from ..models import load_target
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    t0 = time.time()
+    train, held = load_data(args, target, tokenizer, provenance, layer_ids(target))
+    return target, tokenizer, provenance, train, held, time.time() - t0
+
+
 def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
     """(train, held-out) caches of the layers `layer_ids` (see `cache.cached_features`).
 

@@ -29,8 +29,8 @@ from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
 from .eagle3 import window_start
 from .losses import copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft
-from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, load_data,
-                   run_meta)
+from .loop import (add_common_arguments, check_window, finish, fit, init_from_checkpoint,
+                   prepare_run, run_meta)
 
 
 def _window(seq: dict, off: int, W: int, t2d):
@@ -129,16 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    from ..models import load_target
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    if not args.draft_tokens + 2 <= args.window <= args.seq_len:
-        raise SystemExit(f"--window must lie in [--draft-tokens + 2, --seq-len={args.seq_len}],"
-                         f" got {args.window}")
-    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
-    train, held = load_data(args, target, tokenizer, provenance,
-                            evenly_spaced_layers(target.config.num_hidden_layers, 4))
+    check_window(args, args.draft_tokens + 2, "--draft-tokens + 2")
+    target, tokenizer, provenance, train, held, _ = prepare_run(
+        args, lambda t: evenly_spaced_layers(t.config.num_hidden_layers, 4))
     if args.cache_only:
         return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
     cfg = PARDConfig.from_target(target.config, num_layers=args.layers,
