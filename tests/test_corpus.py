@@ -2,6 +2,7 @@
 (a tiny random Llama and a word-level tokenizer with a chat template; seconds on CPU)."""
 import dataclasses
 import json
+import math
 import random
 
 import numpy as np
@@ -383,3 +384,23 @@ def test_training_cache_of_a_corpus_trains_on_responses_only(target, tmp_path):
         assert t == [bool(x) for x in m[-40:][1:]] + [False]
     few, _, meta_few = tc.corpus_sequences(tmp_path / "c", "train", 1, 40)
     assert len(few) == 1 and meta_few["response_tokens"] >= 1
+
+
+@pytest.mark.parametrize("spread", [0.5, 6.0], ids=["flat-nucleus-past-64", "peaked"])
+def test_nucleus_sampling_draws_from_exactly_the_nucleus(spread):
+    """sample_next's draws follow the renormalised nucleus of softmax(logits / T) (the smallest
+    top set reaching top_p), whether the nucleus fits its 64 candidates or needs the full sort."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(200, generator=g, dtype=torch.float64) * spread
+    T, top_p, n = 0.7, 0.8, 20000
+    p = torch.softmax(base / T, -1)
+    sp, order = p.sort(descending=True)
+    size = int((sp.cumsum(-1) - sp < top_p).sum())            # smallest set reaching top_p
+    want = torch.zeros_like(p)
+    want[order[:size]] = sp[:size] / sp[:size].sum()
+    assert (size > 64) == (spread < 1.0)
+    draws = corpus.sample_next(base.float().expand(n, -1), T, top_p,
+                               torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=200).double() / n
+    assert float(freq[want == 0].sum()) == 0.0                # nothing outside the nucleus
+    assert float((freq - want).abs().max()) < 4 * math.sqrt(float(want.max()) / n) + 1e-3
