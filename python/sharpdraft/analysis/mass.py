@@ -143,8 +143,8 @@ class AttentionProbe:
         rec.n.append(n.float().mean(1).reshape(-1))                               # (B*R,)
         rec.context += [self.context] * (B * rows.numel())
         model, idx = key
-        suite = ({"frozen": SharpConfig(mode="none")} if model in self.reference_models
-                 else self.scalings)
+        frozen = self.scalings.get("frozen", SharpConfig(mode="none"))   # the same n_ref
+        suite = {"frozen": frozen} if model in self.reference_models else self.scalings
         for name, sc in suite.items():
             kw = sc.kernel_kwargs(idx)
             beta = ext.query_scale(n, **kw) if sc.mode != "none" else torch.ones(n.shape)
