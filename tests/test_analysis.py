@@ -168,3 +168,86 @@ def test_calibrate_writes_slopes_that_generate_then_uses(tmp_path):
                  and seen.setdefault(layer, skw["slope"])):
         speculative_generate(target, built, torch.tensor([[5, 6, 7, 8, 9]]), 3)
     assert [seen[i] for i in range(2)] == pytest.approx(values)
+
+
+# ----- the teacher-forced sweep ----------------------------------------------------------------
+def _text_seq(target, layer_ids, T=90, seed=0):
+    from sharpdraft.training import cache as tc
+    ids = torch.randint(3, 250, (1, T), generator=torch.Generator().manual_seed(seed))
+    f, p, i = tc.compute_features(target, ids, layer_ids, 4)
+    return {"ids": ids[0].int(), "feats": f[0], "top_p": p[0], "top_i": i[0],
+            "trained": torch.ones(T, dtype=torch.bool), "layer_ids": layer_ids}
+
+
+def _session_drafts(target, drafter, ids, a):
+    """Greedy drafts at anchor a through the inference path: a session after the prefix
+    ids[:a], the last committed token ids[a] at position a."""
+    with torch.no_grad():
+        hs = target(ids[None, :a], output_hidden_states=True).hidden_states
+        s = drafter.start(target, ids[None, :a], hs)
+        drafts, _ = s.propose(int(ids[a]), a, lambda row: int(row.argmax()))
+    return drafts
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3"])
+def test_sweep_leads_match_the_inference_sessions(kind):
+    """The parallel teacher-forced leads equal what a session drafts at each anchor: the text
+    is rewritten so that after anchor a it follows the session's own drafts for m_a tokens and
+    the target's top-1 agrees with exactly m_a of them (m_a = 0, 1, ... across anchors), so the
+    expected lead of every anchor is known by construction."""
+    from sharpdraft.analysis import sweep
+    from sharpdraft.training import cache as tc
+    from sharpdraft_helpers import tiny_eagle3, tiny_pard
+    target = tiny_target()
+    drafter = {"dflash": lambda t: tiny_drafter(t, block_size=4),
+               "pard": lambda t: tiny_pard(t, num_draft_tokens=3),
+               "eagle3": lambda t: tiny_eagle3(t, chain_length=3)}[kind](target)
+    layer_ids = [0, 1, 2, 3]
+    ids = _text_seq(target, layer_ids)["ids"].long()
+    anchors, wants, drafted = [6, 20, 34, 48, 62], [0, 1, 2, 3, 1], {}
+    for a, m in zip(anchors, wants):        # in order: each session sees the rewritten prefix
+        drafts = _session_drafts(target, drafter, ids, a)
+        assert len(drafts) == 3
+        ids[a + 1:a + 1 + m] = torch.tensor(drafts[:m])
+        drafted[a] = drafts
+    f, p, i = tc.compute_features(target, ids[None], layer_ids, 4)
+    top = i[0].clone()
+    for a, m in zip(anchors, wants):
+        for j in range(3):
+            top[a + j, 0] = drafted[a][j] if j < m else (drafted[a][j] + 1) % 256
+    seq = {"ids": ids.int(), "feats": f[0], "top_p": p[0], "top_i": top, "layer_ids": layer_ids,
+           "trained": torch.ones(len(ids), dtype=torch.bool)}
+    with torch.no_grad():
+        leads = sweep.anchor_leads(drafter, target, seq, torch.tensor(anchors))
+    assert leads.tolist() == wants
+
+
+def test_bootstrap_interval_covers_the_mean_and_shrinks():
+    from sharpdraft.analysis import sweep
+    x = torch.arange(100.0) % 7
+    m, lo, hi = sweep.bootstrap_ci(x)
+    assert lo < m < hi and m == pytest.approx(float(x.mean()))
+    m4, lo4, hi4 = sweep.bootstrap_ci(x.repeat(16))
+    assert (hi4 - lo4) < 0.5 * (hi - lo)
+
+
+def test_sweep_run_writes_paired_tables(tmp_path):
+    from sharpdraft.analysis import sweep
+    from sharpdraft.training import cache as tc
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4, train_context=40)
+    layer_ids = list(drafter.config.target_layer_ids)
+    seqs = [torch.randint(3, 250, (120,), generator=torch.Generator().manual_seed(s)).tolist()
+            for s in range(2)]
+    c = tc.FeatureCache(tmp_path / "c")
+    c.build(target, seqs, [[True] * 119 + [False]] * 2, layer_ids, 4, {}, progress=False)
+    rep = sweep.run(target, drafter, c.load(), layer_ids, drafter_name="dflash",
+                    edges=[8, 40, 110], per_bucket=6, out=tmp_path / "o")
+    rows = {(r["scaling"], r["bucket"][0]): r for r in rep["rows"]}
+    assert rows[("frozen", 8)]["delta_vs_frozen"] == 0 and rows[("frozen", 8)]["anchors"] == 12
+    # below n_ref = 40 every fixed slope is beta = 1: identical leads, a zero paired difference
+    assert rows[("slope 0.4", 8)]["delta_vs_frozen"] == 0
+    assert rows[("slope 0.4", 8)]["delta_ci95"] == [0, 0]
+    for f in ("sweep.json", "sweep.md", "sweep.png"):
+        assert (tmp_path / "o" / f).exists()
+    assert "| const e^0.2 |" in (tmp_path / "o" / "sweep.md").read_text()

@@ -180,6 +180,8 @@ def cmd_analyze(args) -> dict:
         print((Path(args.out) / "calibrate.md").read_text())
         return {"target": provenance, "out": args.out, "checkpoint": rep["checkpoint"],
                 "sharp_slopes": rep["sharp_slopes"]}
+    if args.analysis == "sweep":
+        return sweep_command(target, tokenizer, provenance, drafter, args)
     for n in args.lengths:
         check_context(target, n + 64, args.steps, f"--lengths {n}")
     rows = mass.run(target, tokenizer, drafter, drafter_name=args.drafter, lengths=args.lengths,
@@ -187,6 +189,31 @@ def cmd_analyze(args) -> dict:
                     seed=args.seed, include_target=not args.no_target)
     print((Path(args.out) / "mass.md").read_text())
     return {"target": provenance, "out": args.out, "rows": len(rows)}
+
+
+def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
+    """`sharpdraft analyze sweep`: held-out sequences through the training feature cache (the
+    4 evenly spaced target layers every shipped drafter reads), then analysis.sweep.run."""
+    from .analysis import sweep
+    from .drafters.dflash import evenly_spaced_layers
+    from .training.cache import cached_features
+
+    layer_ids = evenly_spaced_layers(target.config.num_hidden_layers, 4)
+    check_context(target, args.length, 0, "--length")
+    try:
+        data = cached_features(target, tokenizer, provenance, layer_ids, split="heldout",
+                               tokens=(10 ** 9 if args.corpus else args.sequences * args.length),
+                               seq_len=args.length, topk=32, seed=args.seed, corpus=args.corpus)
+    except FileNotFoundError as err:
+        raise SystemExit(f"sharpdraft analyze sweep: error: --corpus: {err}")
+    text = (f"the held-out conversations of {args.corpus} (target responses)" if args.corpus
+            else f"{args.sequences} held-out text sequences of {args.length} tokens "
+                 f"(sharpdraft.data held-out split)")
+    rep = sweep.run(target, drafter, data["features"], layer_ids, drafter_name=args.drafter,
+                    edges=args.edges, per_bucket=args.per_bucket, out=args.out, seed=args.seed,
+                    text=text)
+    print((Path(args.out) / "sweep.md").read_text())
+    return {"target": provenance, "out": args.out, "rows": len(rep["rows"])}
 
 
 def cmd_generate(args) -> dict:
@@ -376,7 +403,8 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
     a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
-    analyses = a.add_subparsers(dest="analysis", required=True, metavar="{mass,calibrate}")
+    analyses = a.add_subparsers(dest="analysis", required=True,
+                                metavar="{mass,calibrate,sweep}")
     am = analyses.add_parser(
         "mass", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="top-k attention mass and locality of each drafter layer (and the target's) "
@@ -401,6 +429,22 @@ def parser() -> argparse.ArgumentParser:
     ac.add_argument("--no-write", action="store_true",
                     help="report the slopes without writing them into the checkpoint")
     ac.add_argument("--out", default="analysis/calibrate", help="report folder")
+    asw = analyses.add_parser(
+        "sweep", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="teacher-forced acceptance proxy by context bucket under every scaling, with 95%% "
+             "bootstrap intervals, paired against the frozen drafter (held-out text)")
+    _common(asw)
+    asw.add_argument("--corpus", default=None,
+                     help="use this corpus's held-out conversations (target responses) instead "
+                          "of long held-out texts")
+    asw.add_argument("--length", type=int, default=7168,
+                     help="held-out text sequence length in tokens (packed raw text)")
+    asw.add_argument("--sequences", type=int, default=3, help="held-out sequences")
+    asw.add_argument("--edges", type=int, nargs="+", default=[64, 512, 1024, 2048, 4096, 7168],
+                     help="context buckets: anchors in [edges[i], edges[i+1])")
+    asw.add_argument("--per-bucket", type=int, default=24,
+                     help="anchors per bucket and sequence")
+    asw.add_argument("--out", default="analysis/sweep", help="output folder")
     p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": a}
     return p
 
@@ -468,8 +512,11 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
             p.error(f"--temperature must be > 0 (it is the sampled batches'), got "
                     f"{args.temperature}")
     if args.command == "analyze":
-        for name in ("steps", "topk", "rows"):
+        for name in ("steps", "topk", "rows", "length", "sequences", "per_bucket"):
             positive(name)
+        if getattr(args, "edges", None) is not None and (
+                sorted(set(args.edges)) != args.edges or args.edges[0] < 1):
+            p.error(f"--edges must be increasing positive token counts, got {args.edges}")
         for n in getattr(args, "lengths", []):
             if n < 1:
                 p.error(f"--lengths must be >= 1 tokens each, got {n}")

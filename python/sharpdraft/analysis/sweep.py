@@ -1,0 +1,228 @@
+"""Acceptance under many scalings on the same held-out positions (issue 13, the paper's Table 3
+at small scale): a teacher-forced acceptance proxy bucketed by context length, with 95% bootstrap
+intervals, each scaling paired against the frozen drafter on the same anchors.
+
+At an anchor a (the last committed token sits at position a of a held-out text) the drafter's
+greedy drafts of that step are computed teacher-forced, all anchors of a sequence in one
+parallel forward (the drafter's training forward); the proxy is 1 + the number of leading
+drafts equal to the target's top-1 token along the text (SPEC §7), `anchor_leads`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..attention import SharpConfig
+from ..drafters.dflash import DFlashDrafter
+from ..drafters.eagle3 import Eagle3Drafter
+from ..drafters.pard import PARDDrafter
+
+
+def _features(drafter, seq: dict) -> torch.Tensor:
+    """float32 features of the target layers the drafter reads, taken from a cache of the
+    layers seq["layer_ids"]."""
+    from ..training.eagle3 import fused_columns
+    cols = fused_columns(list(seq["layer_ids"]), list(drafter.config.target_layer_ids),
+                         drafter.config.target_hidden_size)
+    return seq["feats"][:, cols].float()
+
+
+def _draft_ids(drafter, logits: torch.Tensor) -> torch.Tensor:
+    guess = logits.argmax(-1)
+    return guess if drafter.d2t is None else drafter.d2t[guess]
+
+
+@functools.singledispatch
+def anchor_leads(drafter, target, seq: dict, anchors: torch.Tensor) -> torch.Tensor:
+    """(A,) int64: at each anchor, how many of the drafter's greedy drafts, in order, equal the
+    target's top-1 along the text (teacher forced; `seq` a `training.cache.FeatureSet` item of
+    raw features). One method per drafter class."""
+    raise TypeError(f"anchor_leads: no teacher-forced drafting for {type(drafter).__name__}")
+
+
+@anchor_leads.register
+def _(drafter: DFlashDrafter, target, seq, anchors):
+    b = drafter.config.block_size
+    T = seq["ids"].shape[0]
+    block = torch.full((len(anchors), b), drafter.config.mask_token_id, dtype=torch.long)
+    block[:, 0] = seq["ids"][anchors].long()
+    rows = anchors[:, None] + torch.arange(b - 1)            # row j predicts token anchor + j + 1
+    inside = rows < T - 1
+    rows = rows.clamp(max=T - 1)
+    logits = drafter.block_logits(target, _features(drafter, seq), block, anchors)[:, 1:]
+    ok = (_draft_ids(drafter, logits) == seq["top_i"][rows][..., 0].long()) & inside
+    return ok.int().cumprod(-1).sum(-1)
+
+
+@anchor_leads.register
+def _(drafter: Eagle3Drafter, target, seq, anchors):
+    K = drafter.config.chain_length
+    end = min(seq["ids"].shape[0], int(anchors.max()) + K + 2)
+    logits = drafter.ttt_logits(target, _features(drafter, seq)[:end], seq["ids"][:end].long(), K)
+    top1 = seq["top_i"][:end, 0].long()
+    ok = []
+    for d, lg in enumerate(logits):     # depth d, row t = anchor - 1: token anchor + d + 1
+        t = (anchors - 1).clamp(max=lg.shape[0] - 1)
+        hit = (_draft_ids(drafter, lg[t]) == top1[(t + 1 + d).clamp(max=end - 1)])
+        ok.append(hit & (anchors - 1 < lg.shape[0]))
+    return torch.stack(ok, 1).int().cumprod(1).sum(1)
+
+
+@anchor_leads.register
+def _(drafter: PARDDrafter, target, seq, anchors):
+    from ..training.pard import copy_rows
+    k = drafter.config.num_draft_tokens
+    end = min(seq["ids"].shape[0], int(anchors.max()) + k + 1)
+    keep = torch.zeros(k, end, dtype=torch.bool)
+    keep[0] = True                            # the real prefix; copy m at anchor + m drafts m + 1
+    for m in range(1, k):
+        p = anchors + m
+        keep[m, p[p < end]] = True
+    keep[:, end - 1] = False
+    logits = drafter.train_logits(target, seq["ids"][:end].long(), keep)
+    pos, copy = copy_rows(keep)
+    ok = torch.zeros(k, end, dtype=torch.bool)
+    ok[keep] = _draft_ids(drafter, logits) == seq["top_i"][:end][pos][:, 0].long()
+    m = torch.arange(k)
+    at = (anchors[:, None] + m).clamp(max=end - 1)
+    return ok[m[None, :].expand_as(at), at].int().cumprod(1).sum(1)
+
+
+def bootstrap_ci(x: torch.Tensor, reps: int = 2000, seed: int = 0) -> tuple:
+    """(mean, low, high): the mean of x and its 95% percentile bootstrap interval."""
+    x = x.double()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(x), (reps, len(x)), generator=g)
+    means = x[idx].mean(1).sort().values
+    return float(x.mean()), float(means[int(0.025 * reps)]), float(means[int(0.975 * reps) - 1])
+
+
+def sample_anchors(T: int, edges: Sequence[int], per_bucket: int, margin: int,
+                   gen: torch.Generator) -> Dict[int, torch.Tensor]:
+    """{bucket index: sorted anchors}: up to per_bucket distinct anchors in [edges[i],
+    edges[i + 1]) that leave `margin` positions after them inside the sequence."""
+    out = {}
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        hi = min(hi, T - margin)
+        if hi - lo < 1:
+            continue
+        pick = torch.randperm(hi - lo, generator=gen)[:per_bucket] + lo
+        out[i] = pick.sort().values
+    return out
+
+
+def scalings(n_ref: int, topk: int = 32) -> Dict[str, SharpConfig]:
+    """The sweep: the mass analysis's suite (frozen, constant beta, fixed slopes, exact_topk)
+    plus slope 0.2 at n_ref x {0.5, 2, 4} (x 1 is "slope 0.2")."""
+    from .mass import scaling_suite
+    suite = scaling_suite(n_ref, topk)
+    for f in (0.5, 2, 4):
+        suite[f"slope 0.2, n_ref x{f:g}"] = SharpConfig(mode="fixed_slope", slope=0.2,
+                                                       n_ref=max(1, int(n_ref * f)))
+    return suite
+
+
+@torch.no_grad()
+def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
+        edges: Sequence[int], per_bucket: int, out, seed: int = 0, text: str = "") -> dict:
+    """`sharpdraft analyze sweep`: leads of every scaling at the same anchors of every sequence of
+    `features`, bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`."""
+    from tqdm import tqdm
+
+    n_ref = drafter.sharp.n_ref
+    suite = scalings(n_ref)
+    gen = torch.Generator().manual_seed(seed)
+    margin = getattr(drafter, "max_drafts", 8) + 2
+    leads: Dict[str, Dict[int, list]] = {name: {} for name in suite}
+    jobs = [(s, sample_anchors(int(features.lengths[s]), edges, per_bucket, margin, gen))
+            for s in range(len(features))]
+    bar = tqdm(total=len(jobs) * len(suite), desc="analyze sweep", unit="run")
+    for s, by_bucket in jobs:
+        seq = dict(features[s], layer_ids=layer_ids)
+        anchors = torch.cat(list(by_bucket.values()))
+        bucket = torch.cat([torch.full((len(a),), i) for i, a in by_bucket.items()])
+        for name, sc in suite.items():
+            drafter.sharp = sc
+            got = anchor_leads(drafter, target, seq, anchors)
+            for i in by_bucket:
+                leads[name].setdefault(i, []).append(got[bucket == i])
+            bar.update(1)
+    bar.close()
+    drafter.sharp = SharpConfig(mode="none", n_ref=n_ref)
+    rows = []
+    for name in suite:
+        for i, parts in sorted(leads[name].items()):
+            x = torch.cat(parts).double() + 1.0
+            base = torch.cat(leads["frozen"][i]).double() + 1.0
+            m, lo, hi = bootstrap_ci(x, seed=seed)
+            d, dlo, dhi = bootstrap_ci(x - base, seed=seed)
+            rows.append({"scaling": name, "bucket": [edges[i], edges[i + 1]], "anchors": len(x),
+                         "tau_proxy": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)],
+                         "delta_vs_frozen": round(d, 4),
+                         "delta_ci95": [round(dlo, 4), round(dhi, 4)]})
+    meta = {"drafter": drafter_name, "n_ref": n_ref, "edges": list(edges),
+            "per_bucket": per_bucket, "sequences": len(features), "text": text, "seed": seed}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
+    (out / "sweep.md").write_text(markdown(rows, meta))
+    plot(rows, meta, out / "sweep.png")
+    return {"settings": meta, "rows": rows}
+
+
+def markdown(rows: List[dict], meta: dict) -> str:
+    buckets = sorted({tuple(r["bucket"]) for r in rows})
+    lines = [f"Teacher-forced acceptance proxy tau (1 + leading drafts equal to the target's "
+             f"top-1) of the {meta['drafter']} drafter on {meta['text']}, by context bucket "
+             f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
+             f"{meta['sequences']} sequences, n_ref {meta['n_ref']}. Each cell: tau [95% "
+             f"bootstrap interval]; below, the paired difference from frozen on the same "
+             f"anchors.", "",
+             "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
+             "|---|" + "---:|" * len(buckets)]
+    get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
+    names = list(dict.fromkeys(r["scaling"] for r in rows))
+    for name in names:
+        cells = [get.get((name, b)) for b in buckets]
+        lines.append(f"| {name} | " + " | ".join(
+            "" if c is None else f"{c['tau_proxy']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
+            for c in cells) + " |")
+    lines += ["", "| scaling - frozen | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
+              "|---|" + "---:|" * len(buckets)]
+    for name in names[1:]:
+        cells = [get.get((name, b)) for b in buckets]
+        lines.append(f"| {name} | " + " | ".join(
+            "" if c is None else f"{c['delta_vs_frozen']:+.3f} [{c['delta_ci95'][0]:+.2f}, "
+            f"{c['delta_ci95'][1]:+.2f}]" for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[dict], meta: dict, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(dict.fromkeys(r["scaling"] for r in rows))
+    for k, name in enumerate(names):
+        rs = sorted((r for r in rows if r["scaling"] == name), key=lambda r: r["bucket"][0])
+        x = [math.sqrt(r["bucket"][0] * r["bucket"][1]) * (1 + 0.02 * (k - len(names) / 2))
+             for r in rs]
+        y = [r["tau_proxy"] for r in rs]
+        err = [[r["tau_proxy"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["tau_proxy"]
+                                                             for r in rs]]
+        ax.errorbar(x, y, yerr=err, fmt="o-" if name == "frozen" else ".-", capsize=2, lw=1,
+                    label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context at the anchor (tokens)")
+    ax.set_ylabel("tau proxy (teacher forced)")
+    ax.set_title(f"{meta['drafter']}: acceptance proxy by context, 95% bootstrap intervals")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
