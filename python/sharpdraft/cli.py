@@ -206,9 +206,10 @@ def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
                                seq_len=args.length, topk=32, seed=args.seed, corpus=args.corpus)
     except FileNotFoundError as err:
         raise SystemExit(f"sharpdraft analyze sweep: error: --corpus: {err}")
-    text = (f"the held-out conversations of {args.corpus} (target responses)" if args.corpus
-            else f"{args.sequences} held-out text sequences of {args.length} tokens "
-                 f"(sharpdraft.data held-out split)")
+    n = len(data["features"])
+    text = (f"the {n} held-out conversations of {args.corpus} (target responses)" if args.corpus
+            else f"{n} held-out text sequences of {args.length} tokens (sharpdraft.data "
+                 f"held-out split; --sequences {args.sequences} asked for)")
     rep = sweep.run(target, drafter, data["features"], layer_ids, drafter_name=args.drafter,
                     edges=args.edges, per_bucket=args.per_bucket, out=args.out, seed=args.seed,
                     text=text)

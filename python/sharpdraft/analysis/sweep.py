@@ -180,7 +180,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
     lines = [f"Teacher-forced acceptance proxy tau (1 + leading drafts equal to the target's "
              f"top-1) of the {meta['drafter']} drafter on {meta['text']}, by context bucket "
              f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
-             f"{meta['sequences']} sequences, n_ref {meta['n_ref']}. Each cell: tau [95% "
+             f"n_ref {meta['n_ref']}. Each cell: tau [95% "
              f"bootstrap interval]; below, the paired difference from frozen on the same "
              f"anchors.", "",
              "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
