@@ -12,6 +12,25 @@ from sharpdraft.engine import speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 
+class ByteTok:
+    """A tokenizer for the tiny models (vocabulary 256): the text's bytes; the "chat template"
+    keeps the last `keep` of them (the prompt builders need one)."""
+    chat_template = None
+    eos_token_id = None
+
+    def __init__(self, keep: int):
+        self.keep = keep
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": [min(b, 255) for b in text.encode()]})()
+
+    def decode(self, ids):
+        return bytes(ids).decode("latin1")
+
+    def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False):
+        return [min(b, 255) for b in msgs[0]["content"].encode()][-self.keep:]
+
+
 def test_two_level_rows_have_the_spec_topk_mass():
     """SPEC §1: k keys at logit a, n - k at b: M = 1 / (1 + (n - k) / k * exp(-beta Delta))."""
     n, k, a, b = 300, 8, 2.5, -1.0
@@ -102,15 +121,7 @@ def test_analyze_mass_writes_its_report(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4, train_context=16)
 
-    class Tok:                     # build_prompts needs a tokenizer: bytes of the text
-        chat_template = None
-        def __call__(self, text, add_special_tokens=False):
-            return type("E", (), {"input_ids": [min(b, 255) for b in text.encode()]})()
-        def decode(self, ids):
-            return bytes(ids).decode("latin1")
-        def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False):
-            return [min(b, 255) for b in msgs[0]["content"].encode()][-120:]
-    rows = mass.run(target, Tok(), drafter, drafter_name="dflash", lengths=[30, 80], steps=3,
+    rows = mass.run(target, ByteTok(120), drafter, drafter_name="dflash", lengths=[30, 80], steps=3,
                     out=tmp_path, topk=4, rows=4)
     assert rows and (tmp_path / "mass.json").exists() and (tmp_path / "mass.png").exists()
     md = (tmp_path / "mass.md").read_text()
@@ -138,16 +149,7 @@ def test_calibrate_writes_slopes_that_generate_then_uses(tmp_path):
     folder = tmp_path / "ckpt"
     drafter.save(folder)
 
-    class Tok:
-        chat_template = None
-        eos_token_id = None
-        def __call__(self, text, add_special_tokens=False):
-            return type("E", (), {"input_ids": [min(b, 255) for b in text.encode()]})()
-        def decode(self, ids):
-            return bytes(ids).decode("latin1")
-        def apply_chat_template(self, msgs, add_generation_prompt=True, return_dict=False):
-            return [min(b, 255) for b in msgs[0]["content"].encode()][-60:]
-    rep = calibrate.run(target, Tok(), drafter, checkpoint=folder, out=tmp_path / "rep", steps=4,
+    rep = calibrate.run(target, ByteTok(60), drafter, checkpoint=folder, out=tmp_path / "rep", steps=4,
                         topk=4, rows=8)
     values = rep["sharp_slopes"]
     assert len(values) == 2 and all(0.0 <= v <= calibrate.MAX_SLOPE for v in values)
@@ -158,10 +160,10 @@ def test_calibrate_writes_slopes_that_generate_then_uses(tmp_path):
     loaded = type(drafter).load(folder, target=target)
     assert loaded.config.sharp_slopes == values
     args = cli.parser().parse_args(["generate", "--drafter-path", str(folder), "--target", "x"])
-    built = cli.build_drafter(target, Tok(), args)
+    built = cli.build_drafter(target, ByteTok(60), args)
     assert built.sharp.layer_slopes == values and built.sharp.mode == "fixed_slope"
     args = cli.parser().parse_args(["generate", "--drafter-path", str(folder), "--slope", "0.3"])
-    assert cli.build_drafter(target, Tok(), args).sharp.layer_slopes is None  # --slope wins
+    assert cli.build_drafter(target, ByteTok(60), args).sharp.layer_slopes is None  # --slope wins
     # the kernel sees each layer's own slope
     seen, mine = {}, {id(m) for m in built.modules()}
     with observe(lambda mod, layer, q, k, kw, skw: id(mod) in mine

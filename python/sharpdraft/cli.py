@@ -336,6 +336,13 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def _probe_options(g: argparse.ArgumentParser, *, steps: int, rows: int) -> None:
+    """Options of the analyses that probe the drafter's attention while it decodes."""
+    g.add_argument("--steps", type=int, default=steps, help="decoding steps probed per prompt")
+    g.add_argument("--topk", type=int, default=32, help="k of the top-k mass")
+    g.add_argument("--rows", type=int, default=rows, help="query rows sampled per attention call")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sharpdraft", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -413,9 +420,7 @@ def parser() -> argparse.ArgumentParser:
     _common(am)
     am.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 7000],
                     help="KJV Genesis (held out) passage lengths in tokens")
-    am.add_argument("--steps", type=int, default=8, help="decoding steps probed per context")
-    am.add_argument("--topk", type=int, default=32, help="k of the top-k mass")
-    am.add_argument("--rows", type=int, default=16, help="query rows sampled per attention call")
+    _probe_options(am, steps=8, rows=16)
     am.add_argument("--no-target", action="store_true", help="skip the target's own layers")
     am.add_argument("--out", default="analysis/mass", help="output folder")
     ac = analyses.add_parser(
@@ -423,9 +428,7 @@ def parser() -> argparse.ArgumentParser:
         help="per-layer slopes from each drafter layer's top-k mass at n_ref (SPEC section 1), "
              "written into the checkpoint's config.json (--drafter-path)")
     _common(ac)
-    ac.add_argument("--steps", type=int, default=16, help="decoding steps probed")
-    ac.add_argument("--topk", type=int, default=32, help="k of the top-k mass")
-    ac.add_argument("--rows", type=int, default=32, help="query rows sampled per attention call")
+    _probe_options(ac, steps=16, rows=32)
     ac.add_argument("--per-head", action="store_true", help="one slope per head of each layer")
     ac.add_argument("--no-write", action="store_true",
                     help="report the slopes without writing them into the checkpoint")
