@@ -14,9 +14,13 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
 1), as does --drafter-path untrained.
 
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
-    sharpdraft train eagle3 --out my-eagle --steps 2000 --threads 2
+    sharpdraft train eagle3 --corpus corpus --out my-eagle --max-minutes 12 --threads 2
 
     sharpdraft data generate --out corpus --tokens 1000000 --batch 16 --threads 2   # resumable
+
+    sharpdraft analyze mass --drafter dflash --out analysis/mass      # dilution by context
+    sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
+    sharpdraft analyze sweep --drafter dflash --out analysis/sweep    # proxy tau per scaling
 """
 from __future__ import annotations
 
@@ -383,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     for name in registry.names():
         kind = registry.get(name)
         training.recipe(name).add_arguments(kinds.add_parser(
-            name, help=f"train a {kind.title} drafter (recipe: "
+            name, help=f"train a drafter of kind {kind.title} (recipe: "
                        f"checkpoints/{kind.checkpoint}/RECIPE.md)",
             formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     d = sub.add_parser("data", help="corpora of the target's own responses")
