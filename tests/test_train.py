@@ -256,6 +256,8 @@ def test_recipe_losses_read_only_trained_rows(setup):
     fs = train_c.load()
 
     class Only:               # sequence 2 alone (a conversation: rows < 29 untrained)
+        sampler = tc.FeatureSet.sampler
+
         def __init__(self, top_p=None):
             self.lengths, self.seq = fs.lengths[2:3], dict(fs[2])
             if top_p is not None:

@@ -20,7 +20,9 @@ from typing import List, Optional
 import torch
 
 from ..attention import SharpConfig, observe
-from .mass import AttentionProbe, attention_modules
+from ..bench import build_prompts
+from ..engine import speculative_generate
+from .mass import AttentionProbe, attention_modules, summarise
 
 MAX_SLOPE = 1.0          # Delta < 1: a nearly uniform layer; its slope is capped here
 
@@ -57,10 +59,6 @@ def measure(target, tokenizer, drafter, *, n_ref: int, steps: int = 16, topk: in
     `steps` tokens after the bench's held-out KJV prompt (Genesis + its task) of about n_ref
     tokens. Returns {layer: {"mass": float, "mass_per_head": [...], "mean_n": float,
     "rows": int}}."""
-    from ..bench import build_prompts
-    from ..engine import speculative_generate
-    from .mass import summarise
-
     drafter.sharp = SharpConfig(mode="none", n_ref=n_ref)
     probe = AttentionProbe(attention_modules(drafter, torch.nn.Module()),
                            {"frozen": SharpConfig(mode="none", n_ref=n_ref)}, topk=topk,

@@ -17,16 +17,21 @@ scaling does to a layer's own softmax; it does not rerun later layers on changed
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from tqdm import tqdm
 
 import sharpdraft_ext as ext
 from sharpdraft_ext.reference import visible_mask_ref
 
-from ..attention import SharpConfig
+from ..attention import SharpConfig, observe
+from ..bench import build_prompts
+from ..engine import speculative_generate
 
 RECENT = 32
 
@@ -276,15 +281,6 @@ def run(target, tokenizer, drafter, *, drafter_name: str, lengths: List[int], st
     """`sharpdraft analyze mass`: decode `steps` tokens (greedy, frozen drafter) after a held-out
     KJV passage (Genesis) of each length + the bench's task, probing every attention call;
     writes mass.json, mass.md and mass.png to `out`. Returns the per-layer rows."""
-    import json
-    from pathlib import Path
-
-    from tqdm import tqdm
-
-    from ..attention import SharpConfig, observe
-    from ..bench import build_prompts
-    from ..engine import speculative_generate
-
     n_ref = drafter.sharp.n_ref
     drafter.sharp = SharpConfig(mode="none", n_ref=n_ref)
     modules = attention_modules(drafter, target if include_target else torch.nn.Module())

@@ -16,17 +16,21 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 import torch
+from tqdm import tqdm
 
 from ..attention import SharpConfig
 from ..drafters.dflash import DFlashDrafter
 from ..drafters.eagle3 import Eagle3Drafter
 from ..drafters.pard import PARDDrafter
+from ..training.dflash import block_batch
+from ..training.eagle3 import fused_columns
+from ..training.pard import copy_rows
+from .mass import scaling_suite
 
 
 def _features(drafter, seq: dict) -> torch.Tensor:
     """float32 features of the target layers the drafter reads, taken from a cache of the
     layers seq["layer_ids"]."""
-    from ..training.eagle3 import fused_columns
     cols = fused_columns(list(seq["layer_ids"]), list(drafter.config.target_layer_ids),
                          drafter.config.target_hidden_size)
     return seq["feats"][:, cols].float()
@@ -41,21 +45,17 @@ def _draft_ids(drafter, logits: torch.Tensor) -> torch.Tensor:
 def anchor_leads(drafter, target, seq: dict, anchors: torch.Tensor) -> torch.Tensor:
     """(A,) int64: at each anchor, how many of the drafter's greedy drafts, in order, equal the
     target's top-1 along the text (teacher forced; `seq` a `training.cache.FeatureSet` item of
-    raw features). One method per drafter class."""
+    raw features; a row outside the sequence or not trained ends the run). One method per
+    drafter class."""
     raise TypeError(f"anchor_leads: no teacher-forced drafting for {type(drafter).__name__}")
 
 
 @anchor_leads.register
 def _(drafter: DFlashDrafter, target, seq, anchors):
-    b = drafter.config.block_size
-    T = seq["ids"].shape[0]
-    block = torch.full((len(anchors), b), drafter.config.mask_token_id, dtype=torch.long)
-    block[:, 0] = seq["ids"][anchors].long()
-    rows = anchors[:, None] + torch.arange(b - 1)            # row j predicts token anchor + j + 1
-    inside = rows < T - 1
-    rows = rows.clamp(max=T - 1)
+    block, rows, valid = block_batch(seq, anchors, drafter.config.block_size,
+                                     drafter.config.mask_token_id)
     logits = drafter.block_logits(target, _features(drafter, seq), block, anchors)[:, 1:]
-    ok = (_draft_ids(drafter, logits) == seq["top_i"][rows][..., 0].long()) & inside
+    ok = (_draft_ids(drafter, logits) == seq["top_i"][rows][..., 0].long()) & valid
     return ok.int().cumprod(-1).sum(-1)
 
 
@@ -75,7 +75,6 @@ def _(drafter: Eagle3Drafter, target, seq, anchors):
 
 @anchor_leads.register
 def _(drafter: PARDDrafter, target, seq, anchors):
-    from ..training.pard import copy_rows
     k = drafter.config.num_draft_tokens
     end = min(seq["ids"].shape[0], int(anchors.max()) + k + 1)
     keep = torch.zeros(k, end, dtype=torch.bool)
@@ -119,7 +118,6 @@ def sample_anchors(T: int, edges: Sequence[int], per_bucket: int, margin: int,
 def scalings(n_ref: int, topk: int = 32) -> Dict[str, SharpConfig]:
     """The sweep: the mass analysis's suite (frozen, constant beta, fixed slopes, exact_topk)
     plus slope 0.2 at n_ref x {0.5, 2, 4} (x 1 is "slope 0.2")."""
-    from .mass import scaling_suite
     suite = scaling_suite(n_ref, topk)
     for f in (0.5, 2, 4):
         suite[f"slope 0.2, n_ref x{f:g}"] = SharpConfig(mode="fixed_slope", slope=0.2,
@@ -132,8 +130,6 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
         edges: Sequence[int], per_bucket: int, out, seed: int = 0, text: str = "") -> dict:
     """`sharpdraft analyze sweep`: leads of every scaling at the same anchors of every sequence of
     `features`, bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`."""
-    from tqdm import tqdm
-
     n_ref = drafter.sharp.n_ref
     suite = scalings(n_ref)
     gen = torch.Generator().manual_seed(seed)

@@ -98,6 +98,20 @@ class FeatureSet:
         for sh in self._shards:
             yield {f: _tensor(sh[f]) for f in FIELDS}
 
+    def sampler(self, min_length: int = 2, first_row: int = 0):
+        """draw(gen) -> a random sequence (uniform over those longer than min_length tokens
+        with a trained row at or after first_row).
+
+        Raises:
+            ValueError: no sequence qualifies.
+        """
+        usable = [s for s in range(len(self)) if self.lengths[s] > min_length
+                  and bool(self[s]["trained"][first_row:].any())]
+        if not usable:
+            raise ValueError(f"no training sequence is longer than {min_length} tokens with a "
+                             f"trained row from position {first_row} on")
+        return lambda gen: self[usable[int(torch.randint(len(usable), (), generator=gen))]]
+
     @property
     def feature_width(self) -> int:
         return int(self._shards[0]["feats"].shape[-1])
@@ -200,7 +214,7 @@ def text_sequences(tokenizer, split: str, tokens: int, seq_len: int, seed: int =
     encode = data.tokenizer_encoder(tokenizer)
     seqs, counts = data.pack_sequences(encode, tokenizer.eos_token_id, split, tokens, seq_len,
                                        seed=seed)
-    trained = [[True] * (len(s) - 1) + [False] for s in seqs]
+    trained = [trained_rows([True] * len(s)).tolist() for s in seqs]
     return seqs, trained, {"source": "text", "tokens_per_source": counts, "seq_len": seq_len}
 
 

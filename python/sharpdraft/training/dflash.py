@@ -138,12 +138,10 @@ def make_loss(drafter: DFlashDrafter, target, features, *, blocks: int, gamma: f
         raise ValueError("position_skip needs max_position")
     w = position_weights(drafter.config.block_size, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
-    usable = [s for s in range(len(features)) if bool(features[s]["trained"][1:].any())]
-    if not usable:
-        raise ValueError("no training sequence has a trained row after position 0")
+    draw = features.sampler(min_length=1, first_row=1)
 
     def loss_fn(gen, frac):
-        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        seq = draw(gen)
         T = seq["ids"].shape[0]
         max_anchor = None
         if anchor_warmup > 0:
@@ -227,16 +225,16 @@ def main(args: argparse.Namespace) -> dict:
     target, tokenizer, provenance, train, held, cache_s = prepare_run(args, layers)
     if args.cache_only:
         return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
-    cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
-                                   num_layers=args.layers, block_size=args.block_size,
-                                   num_features=args.features, train_context=args.seq_len,
-                                   draft_vocab_size=args.draft_vocab or None)
     tr = train["features"]
     init = None
     if args.init_from:       # its fc already reads raw features: no second feature scale
         drafter, init = init_from_checkpoint(DFlashDrafter, args.init_from, target)
         init_layers, scale = None, None
     else:
+        cfg = DFlashConfig.from_target(
+            target.config, mask_token_id=default_mask_token_id(tokenizer),
+            num_layers=args.layers, block_size=args.block_size, num_features=args.features,
+            train_context=args.seq_len, draft_vocab_size=args.draft_vocab or None)
         drafter = DFlashDrafter(cfg)
         if cfg.draft_vocab_size is not None:
             vocab = target.get_output_embeddings().weight.shape[0]

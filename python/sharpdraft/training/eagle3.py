@@ -117,13 +117,10 @@ def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, wind
     depth_decay ** d."""
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     w = torch.tensor([depth_decay ** d for d in range(ttt_steps)])
-    usable = [s for s in range(len(features))
-              if features.lengths[s] > ttt_steps + 1 and bool(features[s]["trained"].any())]
-    if not usable:
-        raise ValueError("no training sequence is long enough and has trained rows")
+    draw = features.sampler(min_length=ttt_steps + 1)
 
     def loss_fn(gen, frac):
-        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        seq = draw(gen)
         W = min(window, seq["ids"].shape[0])
         off = window_start(seq["trained"], W, gen)
         per = depth_losses(drafter, target, seq, off, W, ttt_steps, cols, t2d)
@@ -148,8 +145,8 @@ def main(args: argparse.Namespace) -> dict:
     check_window(args, args.chain_length + 2, "--chain-length + 2")
     target, tokenizer, provenance, train, held, _ = prepare_run(
         args, lambda t: evenly_spaced_layers(t.config.num_hidden_layers, 4))
+    cached = train["meta"]["layer_ids"]               # the layers the cache holds
     L = target.config.num_hidden_layers
-    cached = evenly_spaced_layers(L, 4)
     if args.cache_only:
         return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
     chosen = [cached[0], min(cached, key=lambda l: abs(l - L // 2)), cached[-1]]

@@ -65,8 +65,6 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
 def init_from_checkpoint(cls, folder, target) -> tuple:
     """(drafter, provenance) of `--init-from`: the checkpoint loaded (checked against the
     target) in training mode, and what its training.json says of how it was made."""
-    import json
-
     drafter = cls.load(folder, target=target).float().train()
     info = {"folder": str(folder)}
     record = Path(folder) / "training.json"

@@ -98,13 +98,10 @@ def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: fl
     weighted equally."""
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     k = drafter.config.num_draft_tokens
-    usable = [s for s in range(len(features))
-              if features.lengths[s] > k + 1 and bool(features[s]["trained"].any())]
-    if not usable:
-        raise ValueError("no training sequence is long enough and has trained rows")
+    draw = features.sampler(min_length=k + 1)
 
     def loss_fn(gen, frac):
-        seq = features[usable[int(torch.randint(len(usable), (), generator=gen))]]
+        seq = draw(gen)
         W = min(window, seq["ids"].shape[0])
         ids, top_p, top_d, _, trained = _window(seq, window_start(seq["trained"], W, gen), W,
                                                 t2d)
