@@ -8,9 +8,9 @@ from sharpdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 def tiny_target(seed: int = 0, vocab: int = 256, **kw) -> LlamaForCausalLM:
     """A random 4-layer Llama: hidden 64, 4 query / 2 KV heads (GQA), head dim 16."""
     torch.manual_seed(seed)
+    kw = {"num_key_value_heads": 2, "max_position_embeddings": 512, **kw}
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, **kw)
+                      num_hidden_layers=4, num_attention_heads=4, **kw)
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -401,3 +401,68 @@ def test_init_from_checkpoint_continues_the_saved_drafter(tmp_path):
                                          num_key_value_heads=2)).eval()     # another width
     with pytest.raises(ValueError, match="drafter checkpoint"):
         loop.init_from_checkpoint(DFlashDrafter, tmp_path / "d", other)
+
+
+def test_l1_distance_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0 + 1e-30]]))
+    # target top-2 {0: 0.6, 3: 0.2} renormalised to {0: 0.75, 3: 0.25}; id 3 is in the vocab
+    got = losses.l1_distance(logits, torch.tensor([[0.6, 0.2]]), torch.tensor([[0, 3]]))
+    want = abs(0.5 - 0.75) + abs(0.0 - 0.25) + (1 - 0.5)          # + the mass outside {0, 3}
+    assert abs(float(got[0]) - want) < 1e-6
+    # an id outside the draft vocabulary (-1) is dropped before renormalising
+    got = losses.l1_distance(logits, torch.tensor([[0.6, 0.2]]), torch.tensor([[0, -1]]))
+    assert abs(float(got[0]) - (abs(0.5 - 1.0) + 0.5)) < 1e-6
+
+
+def test_longspark_recipe_lowers_loss_and_checkpoint_drafts(setup):
+    from sharpdraft.drafters.longspark import LongSparkConfig, LongSparkDrafter
+    from sharpdraft.training import longspark as tl
+    target, seqs, layer_ids, (train_c, held_c), root = setup
+    cfg = LongSparkConfig.from_target(target.config, mask_token_id=0, num_layers=2, num_drafts=3,
+                                      window=16, summary_size=4, train_context=96,
+                                      draft_vocab_size=64)
+    assert cfg.target_layer_ids == layer_ids
+    drafter = LongSparkDrafter(cfg)
+    tr = train_c.load()
+    drafter.set_draft_vocab(losses.draft_vocabulary(tr, 64, 256))
+    drafter.init_from_target(target)
+    with torch.no_grad():
+        drafter.boundary_scale.copy_(losses.feature_scale(tr.feature_rows()))
+    out = root / "longspark"
+    res = loop.fit(drafter, target, tl.make_loss(drafter, target, tr, blocks=8, gamma=4.0,
+                                                 ce_weight=0.1),
+                   lambda: tl.evaluate(drafter, target, held_c.load(), 8, 4.0, 0.1),
+                   **fit_kw(out))
+    hist = [h["loss"] for h in res["history"]]
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.02
+    assert len(res["best"]["top1_per_position"]) == 3
+    assert 1.0 <= res["best"]["tau_proxy"] <= 4.0
+    loaded = LongSparkDrafter.load(out)
+    torch.testing.assert_close(loaded.boundary_scale, drafter.boundary_scale)
+    assert loaded.sharp.n_ref == 96
+    prompt = torch.tensor([seqs[0][:20]])
+    assert (speculative_generate(target, loaded, prompt, 12).tokens
+            == autoregressive_generate(target, prompt, 12).tokens)
+
+
+def test_longspark_loss_reads_only_trained_rows(setup):
+    """Replacing the target distributions of untrained (prompt) rows changes nothing; replacing
+    those of every row does."""
+    from sharpdraft.drafters.longspark import LongSparkConfig, LongSparkDrafter
+    from sharpdraft.training import longspark as tl
+    target, _, _, (train_c, _), _ = setup
+    fs = train_c.load()
+    seq = dict(fs[2])                       # a conversation: rows < 29 are prompt
+    shifted = (seq["top_i"] + 1) % 256      # other ids (the L1 term moves with the ids' q)
+    other = dict(seq, top_i=torch.where(seq["trained"][:, None], seq["top_i"], shifted))
+    moved = dict(seq, top_i=shifted)
+    d = LongSparkDrafter(LongSparkConfig.from_target(target.config, mask_token_id=0,
+                                                     num_layers=2, num_drafts=3, window=16,
+                                                     summary_size=4))
+    with torch.no_grad():
+        d.correction_out.weight.normal_(0, 0.3)
+    w = losses.position_weights(4, 4.0)
+    anchors = torch.tensor([3, 10, 28, 40, 60])
+    a, b, c = (float(tl.round_step(d, target, s, anchors, w, None, 0.1)[0].detach())
+               for s in (seq, other, moved))
+    assert not bool(seq["trained"][3]) and a == b and a != c

@@ -299,7 +299,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     start = time.perf_counter()
     runtime.start(capacity)
     out = runtime.forward(prompt_ids, last_only=True)
-    session = drafter.start(target, prompt_ids, out.hidden)
+    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
     last = _pick(out.logits[-1], temperature, generator)
     tokens = [last]
     tick(1)
@@ -403,7 +403,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     start = time.perf_counter()
     runtime.start(capacity)
     out = runtime.forward(prompt_ids, last_only=True)
-    session = drafter.start(target, prompt_ids, out.hidden)
+    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
     last = _pick(out.logits[-1], temperature, generator)
     tokens = [last]
     tick(1)

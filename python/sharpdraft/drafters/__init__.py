@@ -1,4 +1,5 @@
-"""Drafters: small models that propose tokens for the target to verify (DFlash, EAGLE-3, PARD).
+"""Drafters: small models that propose tokens for the target to verify (DFlash, EAGLE-3, PARD,
+LongSpark).
 
 Every drafter borrows the target's embeddings and LM head, drafts over a reduced vocabulary, runs
 its attention through `sharpdraft_ext.sharp_attention` (its `sharp` SharpConfig: mode "none" is the
@@ -9,7 +10,8 @@ training recipe, shipped checkpoint) for the CLI, the bench and `sharpdraft trai
 from .base import Drafter
 from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import DraftTree, Eagle3Config, Eagle3Drafter
+from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
 
 __all__ = ["Drafter", "DFlashConfig", "DFlashDrafter", "DraftTree", "Eagle3Config",
-           "Eagle3Drafter", "PARDConfig", "PARDDrafter"]
+           "Eagle3Drafter", "LongSparkConfig", "LongSparkDrafter", "PARDConfig", "PARDDrafter"]

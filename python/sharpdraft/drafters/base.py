@@ -2,7 +2,9 @@
 a checkpoint folder holding only the drafter's own weights.
 
 A drafter subclasses `Drafter`, sets `config_class` (a dataclass serialised as config.json) and
-implements `start(target, prompt_ids, hidden_states)`, which returns a draft session:
+implements `start(target, prompt_ids, hidden_states, target_cache=None)`, which returns a draft
+session (`target_cache`: the target runtime's KV cache after the prefill, which a drafter may
+read in place but never writes; the engine always passes it):
 
     session.propose(last, position, draw) -> (drafts, logits): n <= max_drafts draft tokens
         and their float32 logits (n, target vocab); row j - 1 is the distribution draft j was

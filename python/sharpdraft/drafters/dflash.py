@@ -304,7 +304,8 @@ class DFlashDrafter(Drafter):
     def max_drafts(self) -> int:
         return self.config.block_size - 1
 
-    def start(self, target, prompt_ids: torch.Tensor, hidden_states) -> "DFlashSession":
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states,
+              target_cache=None) -> "DFlashSession":
         """A draft session after the target's prefill forward over `prompt_ids`."""
         return DFlashSession(self, target, self.context_features(hidden_states))
 

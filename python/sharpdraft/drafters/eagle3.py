@@ -231,7 +231,8 @@ class Eagle3Drafter(Drafter):
     def max_drafts(self) -> int:
         return self.config.chain_length
 
-    def start(self, target, prompt_ids: torch.Tensor, hidden_states) -> "Eagle3Session":
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states,
+              target_cache=None) -> "Eagle3Session":
         return Eagle3Session(self, target, prompt_ids[0].tolist(),
                              self.context_features(hidden_states))
 

@@ -186,7 +186,8 @@ class PARDDrafter(Drafter):
     def max_drafts(self) -> int:
         return self.config.num_draft_tokens
 
-    def start(self, target, prompt_ids: torch.Tensor, hidden_states=None) -> "PARDSession":
+    def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
+              target_cache=None) -> "PARDSession":
         return PARDSession(self, target, prompt_ids[0].tolist())
 
 

@@ -15,6 +15,7 @@ import torch
 from .base import Drafter
 from .dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
 from .eagle3 import Eagle3Config, Eagle3Drafter
+from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
 
 
@@ -56,6 +57,14 @@ def _pard(target, tokenizer, layers: int, block_size: int) -> Drafter:
     return drafter
 
 
+def _longspark(target, tokenizer, layers: int, block_size: int) -> Drafter:
+    cfg = LongSparkConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
+                                      num_layers=layers, num_drafts=block_size - 1)
+    drafter = LongSparkDrafter(cfg)
+    drafter.init_from_target(target)        # draft layers = the paired target layers
+    return drafter
+
+
 KINDS: Dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("dflash", "DFlash", DFlashDrafter, _dflash, "sharpdraft.training.dflash",
                 checkpoint="dflash-smollm2"),
@@ -63,6 +72,8 @@ KINDS: Dict[str, DrafterKind] = {k.name: k for k in (
                 checkpoint="eagle3-smollm2"),
     DrafterKind("pard", "PARD", PARDDrafter, _pard, "sharpdraft.training.pard",
                 checkpoint="pard-smollm2"),
+    DrafterKind("longspark", "LongSpark", LongSparkDrafter, _longspark,
+                "sharpdraft.training.longspark", checkpoint="longspark-smollm2"),
 )}
 
 

@@ -29,6 +29,21 @@ def soft_cross_entropy(logits: torch.Tensor, top_p: torch.Tensor,
     return -(p * logq.gather(-1, top_i.clamp_min(0))).sum(-1)
 
 
+def l1_distance(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+    """Total-variation-style L1 distance ||q - p||_1 between the drafter's distribution
+    q = softmax(logits) (..., V) and the target's top-k distribution renormalised over the ids
+    inside the draft vocabulary (top_p, top_i (..., k), -1 = outside), p taken as 0 elsewhere:
+    sum over the top-k of |q_j - p_j| plus the drafter's mass outside them; returns (...), in
+    [0, 2] (LongSpark's distribution term)."""
+    q = torch.softmax(logits.float(), dim=-1)
+    top_i = top_i.long()
+    inside = top_i >= 0
+    p = top_p.float() * inside
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-6)
+    q_top = q.gather(-1, top_i.clamp_min(0)) * inside
+    return (q_top - p).abs().sum(-1) + (1.0 - q_top.sum(-1)).clamp_min(0.0)
+
+
 def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
                  weights: torch.Tensor, valid: Optional[torch.Tensor] = None):
     """Position-weighted soft cross-entropy against the target's renormalised top-k distribution.

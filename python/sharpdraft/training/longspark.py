@@ -1,0 +1,194 @@
+"""`sharpdraft train longspark`: distil a LongSpark drafter from its target, on CPU.
+
+Recipe (the paper's, ../shared/docs/LONGSPARK.md, at CPU scale):
+
+1. Data and cache: the same cached target forwards as `sharpdraft train dflash` (the outputs of
+   `evenly_spaced_layers(L, 4)`, which are the inputs of the paired target layers, and the
+   target's top-k next-token distributions). The paired layers' keys / values are rebuilt from
+   them with the frozen target's norm, k/v projections and RoPE (`LongSparkDrafter.target_kv`).
+2. Model: draft layer j starts as its paired target layer, the mask slot as the target's
+   embedding of the mask token (`LongSparkDrafter.init_from_target`); the correction starts at 0.
+3. Per step: one random training sequence and ``--blocks`` random anchors among its trained
+   rows; each round sees its boundary state, the last W target keys before its anchor and the
+   summary of all of them (`LongSparkDrafter.block_logits`, teacher forcing: the correction
+   reads the true predecessor). Loss per draft i = 1 .. B:
+   w_i [lambda CE(x_{t+i}) + (1 - lambda) ||q_i - p_i||_1], lambda = ``--ce-weight`` (0.1),
+   w_i = exp(-(i - 1) / ``--gamma``) (4), normalised by the weights of the valid rows; p_i is the
+   target's renormalised top-k distribution.
+4. Every ``--eval-every`` steps: held-out top-1 agreement per draft position and the acceptance
+   proxy tau ~ 1 + E[leading agreeing drafts], the correction reading the target's top-1
+   predecessors (what greedy decoding commits while drafts agree); the best checkpoint is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..drafters.dflash import default_mask_token_id, evenly_spaced_layers
+from ..drafters.longspark import LongSparkConfig, LongSparkDrafter
+from .dflash import sample_anchors
+from .losses import (draft_vocabulary, feature_scale, l1_distance, position_weights,
+                     target_to_draft)
+from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
+                   run_meta)
+
+
+def round_rows(seq: dict, anchors: torch.Tensor, num_drafts: int) -> tuple:
+    """rows (K, B): the target distribution rows anchors + i of slot i (clamped to the
+    sequence), and valid (K, B): rows inside the sequence that are training targets."""
+    T = seq["ids"].shape[0]
+    rows = anchors[:, None] + torch.arange(num_drafts)
+    inside = rows < T
+    rows = rows.clamp(max=T - 1)
+    return rows, inside & seq["trained"][rows]
+
+
+def paper_loss(logits: torch.Tensor, top_p: torch.Tensor, top_d: torch.Tensor,
+               true_d: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+               ce_weight: float) -> torch.Tensor:
+    """sum_i w_i [lambda CE(true token) + (1 - lambda) ||q_i - p_i||_1] / sum_i w_i over the
+    valid rows. logits (K, B, V); top_p, top_d (K, B, k) (draft ids, -1 outside); true_d (K, B)
+    draft id of the true next token (-1: outside the draft vocabulary, CE term dropped)."""
+    l1 = l1_distance(logits, top_p, top_d)
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    ce = -logq.gather(-1, true_d.clamp_min(0)[..., None])[..., 0] * (true_d >= 0)
+    w = valid.float() * weights[None]
+    return ((ce_weight * ce + (1 - ce_weight) * l1) * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def round_step(drafter: LongSparkDrafter, target, seq: dict, anchors: torch.Tensor,
+               weights: torch.Tensor, t2d, ce_weight: float, teacher: str = "true") -> tuple:
+    """(loss, logits, rows, valid) of one sequence's rounds at `anchors`. teacher: "true" (the
+    correction reads the true tokens) or "target" (the target's top-1 predecessors)."""
+    B = drafter.config.num_drafts
+    ids = seq["ids"].long()
+    T = ids.shape[0]
+    rows, valid = round_rows(seq, anchors, B)
+    if teacher == "true":
+        pred = ids[rows]
+    else:
+        top1 = seq["top_i"][:, 0].long()
+        pred = torch.cat([ids[anchors][:, None], top1[rows[:, :-1]]], dim=1)
+    logits = drafter.block_logits(target, seq["feats"].float(), ids, anchors, pred)
+    top_i = seq["top_i"][rows].long()
+    nxt = ids[(rows + 1).clamp(max=T - 1)]
+    true_d = nxt if t2d is None else t2d[nxt]
+    valid = valid & (rows + 1 < T)
+    loss = paper_loss(logits, seq["top_p"][rows], top_i if t2d is None else t2d[top_i], true_d,
+                      valid, weights, ce_weight)
+    return loss, logits, rows, valid
+
+
+def usable_anchors(seq: dict, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to n anchors among the trained rows in [1, T - 2] (a round needs a next token)."""
+    trained = seq["trained"].clone()
+    trained[-1] = False
+    return sample_anchors(trained, n, gen)
+
+
+@torch.no_grad()
+def evaluate(drafter: LongSparkDrafter, target, features, blocks: int, gamma: float,
+             ce_weight: float, seed: int = 1234) -> dict:
+    """Held-out loss, top-1 agreement per draft position and tau_proxy = 1 + E[leading
+    agreeing drafts] over fixed anchors (an untrained row ends the run)."""
+    B = drafter.config.num_drafts
+    gen = torch.Generator().manual_seed(seed)
+    w = position_weights(B + 1, gamma)
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    agree, counted, lead, losses = [], [], [], []
+    for s in range(len(features)):
+        seq = features[s]
+        if seq["ids"].shape[0] < 3 or not bool(seq["trained"][1:-1].any()):
+            continue
+        anchors = usable_anchors(seq, blocks, gen)
+        loss, logits, rows, valid = round_step(drafter, target, seq, anchors, w, t2d, ce_weight,
+                                               teacher="target")
+        losses.append(float(loss))
+        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
+        ok = (guess == seq["top_i"][rows][..., 0].long()) & valid
+        agree.append(ok.float().sum(0))
+        counted.append(valid.float().sum(0))
+        lead.append(ok.int().cumprod(-1).sum(-1).float())
+    per_pos = torch.stack(agree).sum(0) / torch.stack(counted).sum(0).clamp_min(1.0)
+    return {"loss": sum(losses) / len(losses),
+            "top1_per_position": [round(float(x), 4) for x in per_pos],
+            "top1_mean": float(per_pos.mean()),
+            "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+
+
+def make_loss(drafter: LongSparkDrafter, target, features, *, blocks: int, gamma: float,
+              ce_weight: float):
+    """loss_fn(gen, frac) for `loop.fit`: `blocks` rounds of one random training sequence."""
+    w = position_weights(drafter.config.num_drafts + 1, gamma)
+    t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
+    draw = features.sampler(min_length=2, first_row=1)
+
+    def loss_fn(gen, frac):
+        seq = draw(gen)
+        anchors = usable_anchors(seq, blocks, gen)
+        loss, _, _, valid = round_step(drafter, target, seq, anchors, w, t2d, ce_weight)
+        return loss, {"rows": int(valid.sum())}
+    return loss_fn
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, lr=6e-4, seq_len=1024, warmup=40)
+    p.add_argument("--blocks", type=int, default=24, help="drafting rounds per sequence and step")
+    p.add_argument("--drafts", type=int, default=7, help="B, slots and drafts per round")
+    p.add_argument("--layers", type=int, default=4,
+                   help="draft layers (each paired with one of evenly spaced target layers)")
+    p.add_argument("--window", type=int, default=256, help="W, recent target KV rows read")
+    p.add_argument("--summary", type=int, default=16, help="R, summary queries per KV head")
+    p.add_argument("--rank", type=int, default=32, help="rank of the Markov correction")
+    p.add_argument("--ce-weight", type=float, default=0.1,
+                   help="lambda: weight of the cross-entropy on the true token (the rest is the "
+                        "L1 distance to the target distribution)")
+    p.add_argument("--gamma", type=float, default=4.0, help="loss weight decay along the drafts")
+    p.add_argument("--eval-blocks", type=int, default=32)
+
+
+def main(args: argparse.Namespace) -> dict:
+    def layers(target):
+        if args.init_from:
+            return LongSparkDrafter.read_config(args.init_from).target_layer_ids
+        return evenly_spaced_layers(target.config.num_hidden_layers, args.layers)
+
+    target, tokenizer, provenance, train, held, cache_s = prepare_run(args, layers)
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+    tr = train["features"]
+    init = None
+    if args.init_from:
+        drafter, init = init_from_checkpoint(LongSparkDrafter, args.init_from, target)
+        init_layers = None
+    else:
+        cfg = LongSparkConfig.from_target(
+            target.config, mask_token_id=default_mask_token_id(tokenizer),
+            num_layers=args.layers, num_drafts=args.drafts, window=args.window,
+            summary_size=args.summary, correction_rank=args.rank, train_context=args.seq_len,
+            draft_vocab_size=args.draft_vocab or None)
+        drafter = LongSparkDrafter(cfg)
+        if cfg.draft_vocab_size is not None:
+            vocab = target.get_output_embeddings().weight.shape[0]
+            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
+        init_layers = drafter.init_from_target(target)
+        with torch.no_grad():
+            drafter.boundary_scale.copy_(feature_scale(tr.feature_rows()))
+    out = Path(args.out)
+    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
+            "init_from": init, "cache_seconds": round(cache_s, 1)}
+    print(f"sharpdraft train longspark: {meta['drafter_params'] / 1e6:.2f}M parameters",
+          file=sys.stderr)
+    loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma,
+                        ce_weight=args.ce_weight)
+    result = fit(drafter, target, loss_fn,
+                 lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
+                                  args.gamma, args.ce_weight),
+                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
+                 out=out, save_dtype=getattr(torch, args.save_dtype),
+                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark")
+    return finish(out, meta, result)
