@@ -184,14 +184,17 @@ def _text_seq(target, layer_ids, T=90, seed=0):
 def _session_drafts(target, drafter, ids, a):
     """Greedy drafts at anchor a through the inference path: a session after the prefix
     ids[:a], the last committed token ids[a] at position a."""
+    from sharpdraft.runtime import TargetRuntime
+    rt = TargetRuntime(target, hidden_layers=drafter.hidden_layers, pack=False)
+    rt.start(a + 1)
     with torch.no_grad():
-        hs = target(ids[None, :a], output_hidden_states=True).hidden_states
-        s = drafter.start(target, ids[None, :a], hs)
+        out = rt.forward(ids[None, :a])
+        s = drafter.start(target, ids[None, :a], out.hidden, rt.cache)
         drafts, _ = s.propose(int(ids[a]), a, lambda row: int(row.argmax()))
     return drafts
 
 
-@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3", "longspark"])
 def test_sweep_leads_match_the_inference_sessions(kind):
     """The parallel teacher-forced leads equal what a session drafts at each anchor: the text
     is rewritten so that after anchor a it follows the session's own drafts for m_a tokens and
@@ -200,10 +203,12 @@ def test_sweep_leads_match_the_inference_sessions(kind):
     from sharpdraft.analysis import sweep
     from sharpdraft.training import cache as tc
     from sharpdraft_helpers import tiny_eagle3, tiny_pard
+    from test_longspark import tiny_longspark
     target = tiny_target()
     drafter = {"dflash": lambda t: tiny_drafter(t, block_size=4),
                "pard": lambda t: tiny_pard(t, num_draft_tokens=3),
-               "eagle3": lambda t: tiny_eagle3(t, chain_length=3)}[kind](target)
+               "eagle3": lambda t: tiny_eagle3(t, chain_length=3),
+               "longspark": lambda t: tiny_longspark(t, window=8)}[kind](target)
     layer_ids = [0, 1, 2, 3]
     ids = _text_seq(target, layer_ids)["ids"].long()
     anchors, wants, drafted = [6, 20, 34, 48, 62], [0, 1, 2, 3, 1], {}

@@ -172,3 +172,10 @@ def test_context_window_equals_a_truncated_context():
     torch.testing.assert_close(windowed, truncated, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(wide, full, rtol=1e-5, atol=1e-5)
     assert (windowed - full).abs().max() > 1e-3         # the window did cut something
+    # the training forward honours the window too (what the teacher-forced sweep measures)
+    block = torch.tensor([[7, 0, 0, 0]])
+    with torch.no_grad():
+        drafter.context_window = 10
+        tf = drafter.block_logits(target, feats[0], block, torch.tensor([30]))[0, 1:]
+        drafter.context_window = None
+    torch.testing.assert_close(tf, windowed, rtol=1e-4, atol=1e-4)

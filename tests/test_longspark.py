@@ -173,18 +173,32 @@ def test_sampling_matches_target_distribution():
 
 
 def test_state_does_not_grow_with_the_context(target):
-    """Drafter state bytes after a 1k-token and a 7k-token prefill are equal (the window is the
-    target's cache, the summary has a fixed size)."""
-    d = tiny_longspark(target, window=64)
-    sizes = []
+    """Drafter state bytes after a 1k-token and a 7k-token prefill: equal for LongSpark (the
+    window is the target's cache, the summary has a fixed size); DFlash's context cache grows
+    with the context (7x the keys, more than 6x the bytes)."""
+    from sharpdraft_helpers import tiny_drafter
+    sizes = {"longspark": [], "dflash": []}
     for n in (1024, 7168):
         prompt = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n))
-        rt = TargetRuntime(target, hidden_layers=d.hidden_layers, pack=False)
-        rt.start(n + 8)
-        out = rt.forward(prompt, last_only=True)
-        s = d.start(target, prompt, out.hidden, rt.cache)
-        sizes.append(s.state_bytes())
-    assert sizes[0] == sizes[1] > 0
+        for name, d in (("longspark", tiny_longspark(target, window=64)),
+                        ("dflash", tiny_drafter(target))):
+            rt = TargetRuntime(target, hidden_layers=d.hidden_layers, pack=False)
+            rt.start(n + 8)
+            out = rt.forward(prompt, last_only=True)
+            s = d.start(target, prompt, out.hidden, rt.cache)
+            s.propose(int(out.logits[-1].argmax()), n, lambda row: int(row.argmax()))
+            sizes[name].append(s.state_bytes())
+    assert sizes["longspark"][0] == sizes["longspark"][1] > 0
+    assert sizes["dflash"][1] > 6 * sizes["dflash"][0] > 0
+
+
+def test_sharp_variants_differ_only_in_scope(target):
+    d = tiny_longspark(target)
+    v = d.sharp_variants()
+    assert set(v) == {"summary", "slots"} and v["summary"] is d
+    assert v["slots"].config.sharp_scope == "slots" and d.config.sharp_scope == "summary"
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(),
+                                                 v["slots"].state_dict().values()))
 
 
 def test_bad_config_and_target_are_named(target):

@@ -10,6 +10,11 @@
 // Key blocks wholly outside a CTA's causal / window band are never visited; blocks that are
 // partly visible (band edges, the ragged last block, every block under an attn_mask) run a
 // masked instance of the block step, all others an unmasked one.
+//
+// The kernel composes one header per concern: the row scale (n_i and beta_i, the SharpDraft
+// part: sharp_fwd_row_scale.h), masking (sharp_fwd_mask.h), the online softmax
+// (sharp_fwd_softmax.h) and the epilogue (sharp_fwd_epilogue.h); copies and MMAs use
+// sharp_fwd_primitives.h, tile shapes sharp_fwd_traits.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,8 +24,12 @@
 #include <type_traits>
 
 #include "cuda/sharp_fwd_dispatch.h"
+#include "cuda/sharp_fwd_epilogue.h"
 #include "cuda/sharp_fwd_launch.h"
+#include "cuda/sharp_fwd_mask.h"
 #include "cuda/sharp_fwd_primitives.h"
+#include "cuda/sharp_fwd_row_scale.h"
+#include "cuda/sharp_fwd_softmax.h"
 #include "cuda/sharp_fwd_traits.h"
 #include "sharp_math.h"
 
@@ -110,21 +119,8 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   };
 
   if (n_max <= n_min) {
-    for (int id = tid; id < rows_here * CPR; id += NT) {
-      const int r = id / CPR, ch = id % CPR;
-      if (write_partial) {
-        float4* dst = reinterpret_cast<float4*>(oacc_ptr + int64_t(r) * D + ch * 8);
-        dst[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        dst[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      } else {
-        *reinterpret_cast<uint4*>(o_ptr + int64_t(row0 + r) * p.o_row_stride + ch * 8) =
-            make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    for (int r = tid; r < rows_here; r += NT) {
-      if (write_partial) lseacc_ptr[r] = kNegInf;
-      else if (p.lse) p.lse[lse_index(row0 + r)] = kNegInf;
-    }
+    store_empty<Kt>(o_ptr, p.o_row_stride, p.lse, lse_index, oacc_ptr, lseacc_ptr, write_partial,
+                    row0, rows_here, tid);
     return;
   }
 
@@ -162,47 +158,11 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
   load_kv(n_max - 1, 0);
   cp_async_commit();
 
-  // ---- per-row cardinality and exponent factor --------------------------------------------
-  // Computed while the first copies are in flight. Warp w owns the 16 * MI <= 32 local rows
-  // warp_row0 + l; lane l computes n_i and c_i of row l once (one beta per row, not per lane
-  // of its quad), and each lane then fetches the factors of its accumulator rows
-  // r(mi, hh) = warp_row0 + mi * 16 + g + 8 * hh by shuffle.
-  static_assert(16 * MI <= 32, "one lane per row of a warp's rows");
-  const int my_i = row0 + warp_row0 + lane;
-  const bool my_row_valid = lane < 16 * MI && my_i < len_q;
-  int64_t my_n = range_count(visible_range(my_i, len_q, kv_len, kCausal, p.window));
-  if (p.n_visible != nullptr) {
-    if (my_row_valid)
-      my_n = p.n_visible[row_offset(p.cu_seqlens_q, b, h, my_i, p.nv_batch_stride,
-                                    p.nv_head_stride, p.nv_row_stride)];
-  } else if (kMask) {
-    // Count the mask over each row's visible range, the whole warp per row.
-    for (int rr = 0; rr < 16 * MI; ++rr) {
-      const int i = row0 + warp_row0 + rr;
-      if (i >= len_q) break;
-      const KeyRange kr = visible_range(i, len_q, kv_len, kCausal, p.window);
-      const bool* mrow = mask_ptr + int64_t(i) * p.mask_row_stride;
-      unsigned cnt = 0;
-      for (int64_t j = kr.lo + lane; j < kr.hi; j += 32) cnt += mrow[j] ? 1u : 0u;
-      cnt = __reduce_add_sync(0xffffffffu, cnt);
-      if (lane == rr) my_n = cnt;
-    }
-  }
-  const float my_c = exponent_factor(query_scale(my_n, p.sp, h), p.softmax_scale);
-  // c > 0 is kept; a row with beta * scale < 0 has its q fragment negated instead, so the
-  // running max of c * s stays the max of c times the max of s. A zero factor becomes 1e-30
-  // (the same uniform softmax, and masked scores still give 0 instead of NaN).
+  // ---- per-row cardinality and exponent factor (while the first copies are in flight) ------
   float row_c[MI][2];
   uint32_t row_sign[MI][2];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float c = __shfl_sync(0xffffffffu, my_c, mi * 16 + g + 8 * hh);
-      row_sign[mi][hh] = c < 0.f ? 0x80008000u : 0u;
-      row_c[mi][hh] = fmaxf(fabsf(c), 1e-30f);
-    }
-
+  row_scales<MI, kCausal, kMask>(p, b, h, row0 + warp_row0, len_q, kv_len, mask_ptr, lane, g,
+                                 row_c, row_sign);
 
   // ldmatrix lane addresses (see LaneTileAddr): Q as the A operand, K as B, V as B^T.
   const LaneTileAddr<D> q_addr(smem_base + 2 * Kt::kQOffset, warp_row0 + (lane & 15), lane >> 4);
@@ -284,64 +244,13 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
       }
     }
 
-    if constexpr (kMasked) {
-      // The first row of this lane. Under an attn_mask it goes through an opaque move: the
-      // mask row addresses below are then recomputed per masked block instead of being
-      // hoisted out of the key loop, where they would hold (or spill) registers throughout.
-      int lane_row0 = row0 + warp_row0 + g;
-      if constexpr (kMask) asm volatile("mov.b32 %0, %0;\n" : "+r"(lane_row0));
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          // Row i sees keys lo <= j < hi (visible_range, in int32; j >= 0 makes its clamps
-          // redundant); rows past len_q see none.
-          const int i = lane_row0 + mi * 16 + 8 * hh;
-          const int pos = i + offset;
-          const int hi = i >= len_q ? 0 : kCausal ? min(kv_len, pos + 1) : kv_len;
-          const int lo = has_window ? pos - window + 1 : 0;
-#pragma unroll
-          for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int j = n * BN + ni * 8 + 2 * t + e;
-              bool visible = j >= lo && j < hi;
-              if constexpr (kMask)
-                visible = visible && mask_ptr[int64_t(i) * p.mask_row_stride + j];
-              if (!visible) acc_s[mi][ni][2 * hh + e] = kNegInf;
-            }
-        }
-    }
+    if constexpr (kMasked)
+      mask_scores<MI, NI, kCausal, kMask>(acc_s, n * BN, row0 + warp_row0 + g, t, len_q, kv_len,
+                                          offset, has_window, window, mask_ptr,
+                                          p.mask_row_stride);
 
     // Online softmax (base 2), then O = O * alpha + P V.
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = kNegInf;
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-          mx = fmaxf(mx, fmaxf(acc_s[mi][ni][2 * hh], acc_s[mi][ni][2 * hh + 1]));
-        mx = quad_max(mx);
-        const float c = row_c[mi][hh];
-        const float alpha = online_rescale(row_m[mi][hh], mx == kNegInf ? kNegInf : mx * c);
-        const float neg_m = -safe_max(row_m[mi][hh]);
-        float sum = 0.f;
-#pragma unroll
-        for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = fast_exp2(fmaf(acc_s[mi][ni][2 * hh + e], c, neg_m));
-            acc_s[mi][ni][2 * hh + e] = pe;
-            sum += pe;
-          }
-        row_l[mi][hh] = row_l[mi][hh] * alpha + sum;
-#pragma unroll
-        for (int di = 0; di < DI; ++di) {
-          acc_o[mi][di][2 * hh] *= alpha;
-          acc_o[mi][di][2 * hh + 1] *= alpha;
-        }
-      }
+    softmax_step<MI, NI, DI>(acc_s, acc_o, row_m, row_l, row_c);
 
 #pragma unroll
     for (int kp = 0; kp < KP; ++kp) {
@@ -386,57 +295,12 @@ __global__ void __launch_bounds__(Kt::kNThreads, Kt::kMinBlocksPerSm)
 
   // ---- epilogue ---------------------------------------------------------------------------
   float row_lse[MI][2];
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float l = quad_sum(row_l[mi][hh]);
-      const float inv = finalize_inv_sum(l);
-      row_lse[mi][hh] = finalize_lse(row_m[mi][hh], l);
-#pragma unroll
-      for (int di = 0; di < DI; ++di) {
-        acc_o[mi][di][2 * hh] *= inv;
-        acc_o[mi][di][2 * hh + 1] *= inv;
-      }
-    }
-
-  if (write_partial) {
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = warp_row0 + mi * 16 + g + 8 * hh;
-        if (r >= rows_here) continue;
-#pragma unroll
-        for (int di = 0; di < DI; ++di)
-          *reinterpret_cast<float2*>(oacc_ptr + int64_t(r) * D + di * 8 + 2 * t) =
-              make_float2(acc_o[mi][di][2 * hh], acc_o[mi][di][2 * hh + 1]);
-        if (t == 0) lseacc_ptr[r] = row_lse[mi][hh];
-      }
-    return;
-  }
-
-  // Stage the output tile in shared memory, then store whole 16-byte chunks per row.
-  __syncthreads();  // every warp is done reading K/V
-#pragma unroll
-  for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = warp_row0 + mi * 16 + g + 8 * hh;
-#pragma unroll
-      for (int di = 0; di < DI; ++di)
-        *reinterpret_cast<uint32_t*>(smem + swizzle<D>(r, di * 8 + 2 * t)) =
-            Ops::pack(acc_o[mi][di][2 * hh], acc_o[mi][di][2 * hh + 1]);
-      if (p.lse != nullptr && t == 0 && r < rows_here) p.lse[lse_index(row0 + r)] = row_lse[mi][hh];
-    }
-  __syncthreads();
-#pragma unroll
-  for (int it = 0; it < BM * CPR / NT; ++it) {
-    const int id = tid + it * NT, r = id / CPR, ch = id % CPR;
-    if (r < rows_here)
-      *reinterpret_cast<uint4*>(o_ptr + int64_t(row0 + r) * p.o_row_stride + ch * 8) =
-          *reinterpret_cast<const uint4*>(smem + swizzle<D>(r, ch * 8));
-  }
+  softmax_finalize<MI, DI>(acc_o, row_m, row_l, row_lse);
+  if (write_partial)
+    store_partial<Kt>(acc_o, row_lse, oacc_ptr, lseacc_ptr, warp_row0, g, t, rows_here);
+  else
+    store_output<Kt>(acc_o, row_lse, smem, o_ptr, p.o_row_stride, p.lse, lse_index, row0,
+                     rows_here, warp_row0, g, t, tid);
 }
 
 // Grid (query tiles, Hq, B * num_splits): blockIdx.z = b * num_splits + split.

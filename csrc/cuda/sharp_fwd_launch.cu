@@ -25,14 +25,31 @@ void check_launch(cudaError_t err, const char* what) {
 
 namespace {
 
-// Lq (varlen: max_seqlen_q) of at most kSmallM rows runs the one-warp configuration.
-bool use_small_m(const SharpParams& p) { return p.seqlen_q <= kSmallM; }
+// The one tile heuristic: which configuration (sharp_fwd_traits.h) serves a call. Lq (varlen:
+// max_seqlen_q) of at most kSmallM rows runs the one-warp tile; otherwise the default tile,
+// unless SHARPDRAFT_CUDA_TILE names another (read at every call, so a benchmark can switch it;
+// getenv is far cheaper than a launch): "alt" (AltTraits) or "wide" (WideTraits: 32 query rows
+// per warp, kept behind the switch until a GPU run confirms it).
+enum class Tile { kDefault, kSmallM, kAlt, kWide };
 
-// SHARPDRAFT_CUDA_TILE=alt selects AltTraits for the other calls (read at every call, so a
-// benchmark can switch it; getenv is far cheaper than a launch).
-bool use_alt_tile() {
+Tile choose_tile(const SharpParams& p) {
+  if (p.seqlen_q <= kSmallM) return Tile::kSmallM;
   const char* v = std::getenv("SHARPDRAFT_CUDA_TILE");
-  return v != nullptr && std::strcmp(v, "alt") == 0;
+  if (v != nullptr && std::strcmp(v, "alt") == 0) return Tile::kAlt;
+  if (v != nullptr && std::strcmp(v, "wide") == 0) return Tile::kWide;
+  return Tile::kDefault;
+}
+
+// Calls f(Kt{}) with the traits type of `tile` for this head dim and element type: the
+// launcher and the split heuristic both go through it, so they cannot disagree.
+template <int kHeadDim, typename T, typename F>
+void with_tile(Tile tile, F&& f) {
+  switch (tile) {
+    case Tile::kSmallM: return f(typename SmallMTraits<kHeadDim, T>::type{});
+    case Tile::kAlt: return f(typename AltTraits<kHeadDim, T>::type{});
+    case Tile::kWide: return f(typename WideTraits<kHeadDim, T>::type{});
+    default: return f(typename DefaultTraits<kHeadDim, T>::type{});
+  }
 }
 
 template <typename Kt>
@@ -49,9 +66,7 @@ void run_tile(const SharpParams& p, const SplitKV& split, cudaStream_t stream) {
 
 template <int kHeadDim, typename T>
 void run_config(const SharpParams& p, const SplitKV& split, cudaStream_t stream) {
-  if (use_small_m(p)) run_tile<typename SmallMTraits<kHeadDim, T>::type>(p, split, stream);
-  else if (use_alt_tile()) run_tile<typename AltTraits<kHeadDim, T>::type>(p, split, stream);
-  else run_tile<typename DefaultTraits<kHeadDim, T>::type>(p, split, stream);
+  with_tile<kHeadDim, T>(choose_tile(p), [&](auto kt) { run_tile<decltype(kt)>(p, split, stream); });
   if (split.num_splits > 1) launch_sharp_combine<kHeadDim, T>(p, split, stream);
 }
 
@@ -70,30 +85,27 @@ void run_dtype(const SharpParams& p, const SplitKV& split, cudaStream_t stream) 
 
 // Tile sizes and resident CTAs per SM of the configuration serving a call (the same for
 // both dtypes).
-template <typename Kt>
-void tile_shape_of(int* block_m, int* block_n, int* ctas_per_sm) {
-  *block_m = Kt::kBlockM, *block_n = Kt::kBlockN, *ctas_per_sm = Kt::kMinBlocksPerSm;
-}
-template <int kHeadDim>
-void tile_shape_hdim(const SharpParams& p, int* block_m, int* block_n, int* ctas_per_sm) {
-  if (use_small_m(p))
-    tile_shape_of<typename SmallMTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
-  else if (use_alt_tile())
-    tile_shape_of<typename AltTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
-  else
-    tile_shape_of<typename DefaultTraits<kHeadDim, __half>::type>(block_m, block_n, ctas_per_sm);
-}
-void tile_shape(const SharpParams& p, int* block_m, int* block_n, int* ctas_per_sm) {
-  if (p.head_dim == 64) tile_shape_hdim<64>(p, block_m, block_n, ctas_per_sm);
-  else if (p.head_dim == 128) tile_shape_hdim<128>(p, block_m, block_n, ctas_per_sm);
-  else tile_shape_hdim<256>(p, block_m, block_n, ctas_per_sm);
+struct TileShape {
+  int block_m, block_n, ctas_per_sm;
+};
+TileShape tile_shape(const SharpParams& p) {
+  TileShape shape{};
+  auto read = [&](auto kt) {
+    using Kt = decltype(kt);
+    shape = {Kt::kBlockM, Kt::kBlockN, Kt::kMinBlocksPerSm};
+  };
+  const Tile tile = choose_tile(p);
+  if (p.head_dim == 64) with_tile<64, __half>(tile, read);
+  else if (p.head_dim == 128) with_tile<128, __half>(tile, read);
+  else with_tile<256, __half>(tile, read);
+  return shape;
 }
 
 }  // namespace
 
 int sharp_fwd_num_splits(const SharpParams& p, int num_sms) {
-  int block_m, block_n, ctas_per_sm;
-  tile_shape(p, &block_m, &block_n, &ctas_per_sm);
+  const TileShape shape = tile_shape(p);
+  const int block_m = shape.block_m, block_n = shape.block_n, ctas_per_sm = shape.ctas_per_sm;
   const int64_t ctas = p.batch * p.heads_q * ((p.seqlen_q + block_m - 1) / block_m);
   const int64_t n_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int64_t slots = int64_t(num_sms) * ctas_per_sm;

@@ -154,11 +154,13 @@ def cmd_bench(args) -> dict:
     for p in prompts:
         check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
     drafter = build_drafter(target, tokenizer, args)
-    if registry.get(args.drafter).trees:
-        variants = {f"{args.drafter}-chain": (drafter, False),
-                    f"{args.drafter}-tree": (drafter, True)}
-    else:
-        variants = {args.drafter: (drafter, False)}
+    variants = {}
+    for suffix, d in drafter.sharp_variants().items():     # where SharpDraft may act
+        label = args.drafter + (f"-{suffix}" if suffix else "")
+        if registry.get(args.drafter).trees:
+            variants.update({f"{label}-chain": (d, False), f"{label}-tree": (d, True)})
+        else:
+            variants[label] = (d, False)
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
                      Path(args.out), draft_threshold=args.draft_threshold)
     print((Path(args.out) / "bench.md").read_text())
@@ -173,6 +175,11 @@ def cmd_analyze(args) -> dict:
 
     target, tokenizer, provenance = load_target_for(args)
     drafter = build_drafter(target, tokenizer, args)
+    if args.analysis in ("mass", "calibrate") and not drafter.one_softmax_per_call:
+        raise SystemExit(f"sharpdraft analyze {args.analysis}: error: --drafter {args.drafter}: "
+                         f"its softmax spans several kernel calls (merged by log-sum-exp), which "
+                         f"the attention probe cannot read as one row distribution; "
+                         f"`analyze sweep` works for it")
     if args.analysis == "calibrate":
         folder = None if args.no_write else default_drafter_path(args)
         if folder is None and not args.no_write:
@@ -214,9 +221,12 @@ def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
     text = (f"the {n} held-out conversations of {args.corpus} (target responses)" if args.corpus
             else f"{n} held-out text sequences of {args.length} tokens (sharpdraft.data "
                  f"held-out split; --sequences {args.sequences} asked for)")
-    rep = sweep.run(target, drafter, data["features"], layer_ids, drafter_name=args.drafter,
-                    edges=args.edges, per_bucket=args.per_bucket, out=args.out, seed=args.seed,
-                    text=text)
+    try:
+        rep = sweep.run(target, drafter, data["features"], layer_ids, drafter_name=args.drafter,
+                        edges=args.edges, per_bucket=args.per_bucket, out=args.out,
+                        seed=args.seed, text=text, only=args.scalings)
+    except ValueError as err:
+        raise SystemExit(f"sharpdraft analyze sweep: error: {err}")
     print((Path(args.out) / "sweep.md").read_text())
     return {"target": provenance, "out": args.out, "rows": len(rep["rows"])}
 
@@ -452,6 +462,9 @@ def parser() -> argparse.ArgumentParser:
                      help="context buckets: anchors in [edges[i], edges[i+1])")
     asw.add_argument("--per-bucket", type=int, default=24,
                      help="anchors per bucket and sequence")
+    asw.add_argument("--scalings", nargs="+", default=None, metavar="NAME",
+                     help="only these scalings (names as in sweep.md, e.g. 'slope 0.2'; frozen "
+                          "is always run); default: all of them")
     asw.add_argument("--out", default="analysis/sweep", help="output folder")
     p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": a}
     return p

@@ -13,7 +13,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -21,9 +21,11 @@ from tqdm import tqdm
 from ..attention import SharpConfig
 from ..drafters.dflash import DFlashDrafter
 from ..drafters.eagle3 import Eagle3Drafter
+from ..drafters.longspark import LongSparkDrafter
 from ..drafters.pard import PARDDrafter
 from ..training.dflash import block_batch
 from ..training.eagle3 import fused_columns
+from ..training.longspark import round_rows
 from ..training.pard import copy_rows
 from .mass import scaling_suite
 
@@ -92,6 +94,17 @@ def _(drafter: PARDDrafter, target, seq, anchors):
     return ok[m[None, :].expand_as(at), at].int().cumprod(1).sum(1)
 
 
+@anchor_leads.register
+def _(drafter: LongSparkDrafter, target, seq, anchors):
+    ids = seq["ids"].long()
+    rows, valid = round_rows(seq, anchors, drafter.config.num_drafts)
+    top1 = seq["top_i"][:, 0].long()
+    pred = torch.cat([ids[anchors][:, None], top1[rows[:, :-1]]], dim=1)  # greedy predecessors
+    logits = drafter.block_logits(target, _features(drafter, seq), ids, anchors, pred)
+    ok = (_draft_ids(drafter, logits) == top1[rows]) & valid
+    return ok.int().cumprod(-1).sum(-1)
+
+
 def bootstrap_ci(x: torch.Tensor, reps: int = 2000, seed: int = 0) -> tuple:
     """(mean, low, high): the mean of x and its 95% percentile bootstrap interval."""
     x = x.double()
@@ -127,11 +140,22 @@ def scalings(n_ref: int, topk: int = 32) -> Dict[str, SharpConfig]:
 
 @torch.no_grad()
 def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
-        edges: Sequence[int], per_bucket: int, out, seed: int = 0, text: str = "") -> dict:
-    """`sharpdraft analyze sweep`: leads of every scaling at the same anchors of every sequence of
-    `features`, bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`."""
+        edges: Sequence[int], per_bucket: int, out, seed: int = 0, text: str = "",
+        only: Optional[Sequence[str]] = None) -> dict:
+    """`sharpdraft analyze sweep`: leads of every scaling (or of those named in `only`; frozen
+    is always kept, the pairing baseline) at the same anchors of every sequence of `features`,
+    bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`.
+
+    Raises:
+        ValueError: `only` names a scaling the sweep does not have (the message lists them).
+    """
     n_ref = drafter.sharp.n_ref
     suite = scalings(n_ref)
+    if only:
+        unknown = [n for n in only if n not in suite]
+        if unknown:
+            raise ValueError(f"--scalings: unknown {unknown}; known: {list(suite)}")
+        suite = {n: sc for n, sc in suite.items() if n == "frozen" or n in only}
     gen = torch.Generator().manual_seed(seed)
     margin = getattr(drafter, "max_drafts", 8) + 2
     leads: Dict[str, Dict[int, list]] = {name: {} for name in suite}
@@ -162,6 +186,7 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
                          "delta_vs_frozen": round(d, 4),
                          "delta_ci95": [round(dlo, 4), round(dhi, 4)]})
     meta = {"drafter": drafter_name, "n_ref": n_ref, "edges": list(edges),
+            "context_window": getattr(drafter, "context_window", None),
             "per_bucket": per_bucket, "sequences": len(features), "text": text, "seed": seed}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,7 +201,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
     lines = [f"Teacher-forced acceptance proxy tau (1 + leading drafts equal to the target's "
              f"top-1) of the {meta['drafter']} drafter on {meta['text']}, by context bucket "
              f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
-             f"n_ref {meta['n_ref']}. Each cell: tau [95% "
+             f"n_ref {meta['n_ref']}"
+             + (f", context window {meta['context_window']}" if meta.get("context_window")
+                else "") + ". Each cell: tau [95% "
              f"bootstrap interval]; below, the paired difference from frozen on the same "
              f"anchors.", "",
              "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",

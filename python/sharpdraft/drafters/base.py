@@ -14,6 +14,9 @@ read in place but never writes; the engine always passes it):
         committed after `last` (accepted drafts, then the target's own token), `hidden_states`
         the target's hidden states of the verification rows ([last] + drafts), or None when the
         drafter does not read them (`needs_hidden_states` False).
+    session.state_bytes() -> int: bytes of the session's own state (its caches and pending
+        features; not the weights, the target or the target's cache), what grows with the
+        context for a full-prefix drafter.
 
 `hidden_states` maps an index of transformers' output_hidden_states (0 = embeddings, l + 1 =
 decoder layer l's output) to a (1, rows, hidden) tensor; it holds the indices listed by the
@@ -126,6 +129,22 @@ def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int 
             None if attn_mask is None else attn_mask[..., -keep:])
 
 
+def state_bytes(*parts) -> int:
+    """Bytes held by tensors, transformers caches (their layers' keys and values) and lists of
+    them: what a session's `state_bytes` reports."""
+    total = 0
+    for x in parts:
+        if isinstance(x, torch.Tensor):
+            total += x.nbytes
+        elif isinstance(x, (list, tuple)):
+            total += state_bytes(*x)
+        elif hasattr(x, "layers"):                     # a transformers Cache
+            total += state_bytes(*[t for layer in x.layers
+                                   for t in (getattr(layer, "keys", None),
+                                             getattr(layer, "values", None)) if t is not None])
+    return total
+
+
 def crop_to(cache, length: int) -> None:
     """Drop the entries of a DynamicCache past the first `length` positions."""
     extra = cache.get_seq_length() - length
@@ -150,6 +169,9 @@ class Drafter(nn.Module):
     # distribution, and n_i, hence SharpDraft's beta, counts the keys actually seen).
     context_window: Optional[int] = None
     supports_context_window = False
+    # Each attention row's softmax is one kernel call (what `analysis.mass` probes); False for
+    # a drafter that splits one softmax over several calls merged by log-sum-exp.
+    one_softmax_per_call = True
 
     @property
     def hidden_layers(self) -> list:
@@ -165,6 +187,11 @@ class Drafter(nn.Module):
             self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
         else:
             self.d2t = None
+
+    def sharp_variants(self) -> dict:
+        """{suffix: drafter} of the ways SharpDraft can act on this drafter, for the bench to
+        compare ("" : itself, when there is one way)."""
+        return {"": self}
 
     # ----- vocabulary -----------------------------------------------------------------------
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
-                   last_keys, llama_config, target_geometry)
+                   last_keys, llama_config, state_bytes, target_geometry)
 
 
 def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
@@ -219,8 +219,8 @@ class DFlashDrafter(Drafter):
         """Training forward: logits of many draft blocks over one sequence's context, no cache.
 
         Block k sits at positions anchors[k] .. anchors[k] + b - 1 and sees the context features
-        of positions < anchors[k] plus its own whole block (n_i = anchors[k] + b, as at
-        inference). Row j of block k predicts the token at position anchors[k] + j (j >= 1).
+        of positions < anchors[k] (the last `context_window` of them when it is set) plus its
+        own whole block (n_i = anchors[k] + b, as at inference). Row j of block k predicts the token at position anchors[k] + j (j >= 1).
 
         Args:
             target: the target model (its input embeddings and LM head are borrowed).
@@ -254,7 +254,10 @@ class DFlashDrafter(Drafter):
                 raise ValueError(f"with positions, anchors must lie in [1, {T - 1}]")
         start = anchors if positions is None else ctx_pos[anchors]
         block_pos = (start[:, None] + offs).reshape(1, K * b)
-        sees_ctx = torch.arange(T, device=dev)[None, :] < anchors[:, None]          # (K, T)
+        cols = torch.arange(T, device=dev)[None, :]
+        sees_ctx = cols < anchors[:, None]                                          # (K, T)
+        if self.context_window is not None:          # as at inference: the last W positions
+            sees_ctx &= cols >= anchors[:, None] - self.context_window
         same_block = torch.eye(K, dtype=torch.bool, device=dev)
         mask = torch.cat([sees_ctx.repeat_interleave(b, 0),
                           same_block.repeat_interleave(b, 0).repeat_interleave(b, 1)], dim=1)
@@ -325,3 +328,6 @@ class DFlashSession:
     def commit(self, accepted: List[int], hidden_states) -> None:
         feats = self.drafter.context_features(hidden_states)
         self.new_context = feats[:, :len(accepted)]
+
+    def state_bytes(self) -> int:
+        return state_bytes(self.cache, self.new_context)

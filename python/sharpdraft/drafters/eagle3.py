@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
-                   last_keys, llama_config, target_geometry)
+                   last_keys, llama_config, state_bytes, target_geometry)
 
 
 @dataclass
@@ -384,3 +384,6 @@ class Eagle3Session:
         self.pending = torch.cat([self.pending, feats], dim=1)
         self.tokens.append(self.last)
         self.tokens.extend(accepted[:-1])
+
+    def state_bytes(self) -> int:
+        return state_bytes(self.cache, self.pending)

@@ -34,6 +34,8 @@ n_visible override B + t (the summary slots stand for the t context tokens).
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -46,7 +48,7 @@ import sharpdraft_ext as ext
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, feature_layer_problems, llama_config,
-                   target_geometry)
+                   state_bytes, target_geometry)
 from .dflash import evenly_spaced_layers
 
 SCOPES = ("summary", "slots")
@@ -187,6 +189,7 @@ class LongSparkDrafter(Drafter):
     frozen drafter); `config.sharp_scope` where it acts."""
 
     config_class = LongSparkConfig
+    one_softmax_per_call = False        # [block ; summary] and the window: two calls, merged
 
     def __init__(self, config: LongSparkConfig, sharp: Optional[SharpConfig] = None):
         super().__init__()
@@ -268,6 +271,19 @@ class LongSparkDrafter(Drafter):
         self.mask_embedding.copy_(emb[self.config.mask_token_id])
         self.fuse_norm.weight.fill_(float(emb.float().pow(2).mean().sqrt()))
         return list(self.config.cache_layers)
+
+    def sharp_variants(self) -> dict:
+        """Both SharpDraft scopes (module docstring): {"summary": ..., "slots": ...}, this
+        drafter and a copy differing only in `config.sharp_scope`."""
+        out = {}
+        for scope in SCOPES:
+            if scope == self.config.sharp_scope:
+                out[scope] = self
+            else:
+                other = copy.deepcopy(self)
+                other.config = dataclasses.replace(self.config, sharp_scope=scope)
+                out[scope] = other
+        return out
 
     # ----- SharpDraft ----------------------------------------------------------------------
     def summary_sharp(self) -> SharpConfig:
@@ -485,4 +501,4 @@ class LongSparkSession:
     def state_bytes(self) -> int:
         """Bytes of the drafter's own state (summaries and boundary; the window is the
         target's cache)."""
-        return self.boundary.nbytes + sum(m.nbytes + lse.nbytes for m, lse in self.summary)
+        return state_bytes(self.boundary, self.summary)

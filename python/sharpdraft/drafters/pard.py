@@ -31,7 +31,8 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
                                                       LlamaRotaryEmbedding)
 
 from ..attention import SharpConfig, register
-from .base import Drafter, check_config, crop_to, draw_rows, llama_config, target_geometry
+from .base import (Drafter, check_config, crop_to, draw_rows, llama_config, state_bytes,
+                   target_geometry)
 
 
 @dataclass
@@ -221,3 +222,6 @@ class PARDSession:
     def commit(self, accepted: List[int], hidden_states=None) -> None:
         self.tokens.append(self.last)
         self.tokens.extend(accepted[:-1])
+
+    def state_bytes(self) -> int:
+        return state_bytes(self.cache)
