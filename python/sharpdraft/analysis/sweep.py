@@ -203,9 +203,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
              f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
              f"n_ref {meta['n_ref']}"
              + (f", context window {meta['context_window']}" if meta.get("context_window")
-                else "") + ". Each cell: tau [95% "
-             f"bootstrap interval]; below, the paired difference from frozen on the same "
-             f"anchors.", "",
+                else "") + ". Each cell: tau [95% bootstrap interval]; below, the paired "
+             "difference from frozen on the same anchors.", "",
              "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
              "|---|" + "---:|" * len(buckets)]
     get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
