@@ -21,6 +21,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
     sharpdraft analyze mass --drafter dflash --out analysis/mass      # dilution by context
     sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
     sharpdraft analyze sweep --drafter dflash --out analysis/sweep    # proxy tau per scaling
+    sharpdraft analyze adapt --drafter dflash --out analysis/adapt    # vs online fine-tuning
 """
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ def cmd_analyze(args) -> dict:
                 "sharp_slopes": rep["sharp_slopes"]}
     if args.analysis == "sweep":
         return sweep_command(target, tokenizer, provenance, drafter, args)
+    if args.analysis == "adapt":
+        return adapt_command(target, tokenizer, provenance, drafter, args)
     for n in args.lengths:
         check_context(target, n + 64, args.steps, f"--lengths {n}")
     rows = mass.run(target, tokenizer, drafter, drafter_name=args.drafter, lengths=args.lengths,
@@ -200,6 +203,29 @@ def cmd_analyze(args) -> dict:
                     seed=args.seed, include_target=not args.no_target)
     print((Path(args.out) / "mass.md").read_text())
     return {"target": provenance, "out": args.out, "rows": len(rows)}
+
+
+def adapt_command(target, tokenizer, provenance, drafter, args) -> dict:
+    """`sharpdraft analyze adapt`: analysis.adapt.run on the bench's Genesis prompts (and
+    held-out corpus prompts)."""
+    from .analysis import adapt
+
+    if not adapt.OnlineAdapter.supports(drafter):
+        raise SystemExit(f"sharpdraft analyze adapt: error: --drafter {args.drafter}: online "
+                         f"adaptation needs a drafter with teacher-forced blocks (DFlash)")
+    prompts = build_prompts(tokenizer, args.lengths, 0)
+    if args.corpus_prompts:
+        prompts += corpus_prompts(args.corpus, args.corpus_prompts)
+    if not prompts:
+        raise SystemExit("sharpdraft analyze adapt: error: no prompts (--lengths and "
+                         "--corpus-prompts are empty)")
+    for p in prompts:
+        check_context(target, p["ids"].shape[1], args.max_new_tokens, f"prompt {p['name']}")
+    rep = adapt.run(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens,
+                    out=args.out, every=args.every, lr=args.lr, lora_ranks=args.lora_ranks,
+                    slope=0.2 if args.slope is None else args.slope)
+    print((Path(args.out) / "adapt.md").read_text())
+    return {"target": provenance, "out": args.out, "summary": rep["summary"]}
 
 
 def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
@@ -426,7 +452,7 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
     a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
     analyses = a.add_subparsers(dest="analysis", required=True,
-                                metavar="{mass,calibrate,sweep}")
+                                metavar="{mass,calibrate,sweep,adapt}")
     am = analyses.add_parser(
         "mass", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="top-k attention mass and locality of each drafter layer (and the target's) "
@@ -466,6 +492,21 @@ def parser() -> argparse.ArgumentParser:
                      help="only these scalings (names as in sweep.md, e.g. 'slope 0.2'; frozen "
                           "is always run); default: all of them")
     asw.add_argument("--out", default="analysis/sweep", help="output folder")
+    aa = analyses.add_parser(
+        "adapt", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="online adaptation of the drafter (full fine-tuning, LoRA) against the frozen "
+             "drafter and SharpDraft on the same prompts: parameters, memory, update cost, tau, "
+             "speedup (DFlash)")
+    _common(aa)
+    aa.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096],
+                    help="KJV Genesis (held out) passage lengths in tokens")
+    aa.add_argument("--corpus", default="corpus", help="corpus folder of --corpus-prompts")
+    aa.add_argument("--corpus-prompts", type=int, default=0,
+                    help="held-out first-turn prompts of --corpus")
+    aa.add_argument("--every", type=int, default=4, help="verification steps between updates")
+    aa.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the updates")
+    aa.add_argument("--lora-ranks", type=int, nargs="+", default=[16, 32])
+    aa.add_argument("--out", default="analysis/adapt", help="output folder")
     p.commands = {"generate": g, "bench": b, "train": t, "data": dg, "analyze": a}
     return p
 
