@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import psutil
 import torch
