@@ -213,3 +213,28 @@ def test_bad_config_and_target_are_named(target):
     assert any("KV cache of layers" in p for p in d.target_problems(target))
     with pytest.raises(ValueError, match="target_cache"):
         tiny_longspark(target).start(target, None, {2: torch.zeros(1, 3, 64)})
+
+
+def test_sweep_runs_every_scaling_in_both_scopes(target, tmp_path):
+    from sharpdraft.analysis import sweep
+    from sharpdraft.training import cache as tc
+
+    d = tiny_longspark(target)
+    ids = torch.randint(3, 250, (1, 120), generator=torch.Generator().manual_seed(5))
+    f, p, i = tc.compute_features(target, ids, d.config.target_layer_ids, 4)
+    seq = {"ids": ids[0].int(), "feats": f[0], "top_p": p[0], "top_i": i[0],
+           "trained": torch.ones(120, dtype=torch.bool)}
+
+    class Features:
+        lengths = torch.tensor([120])
+
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, s):
+            return seq
+    rep = sweep.run(target, d, Features(), d.config.target_layer_ids, drafter_name="longspark",
+                    edges=[16, 64, 110], per_bucket=6, out=tmp_path, only=["slope 0.2"])
+    names = {r["scaling"] for r in rep["rows"]}
+    assert names == {"frozen", "summary: slope 0.2", "slots: slope 0.2"}
+    assert d.sharp.mode == "none"            # left frozen

@@ -144,18 +144,28 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
         only: Optional[Sequence[str]] = None) -> dict:
     """`sharpdraft analyze sweep`: leads of every scaling (or of those named in `only`; frozen
     is always kept, the pairing baseline) at the same anchors of every sequence of `features`,
-    bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`.
+    bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`. A drafter with
+    several SharpDraft variants (`sharp_variants`, LongSpark's scopes) runs every scaling in
+    each, named "<variant>: <scaling>".
 
     Raises:
         ValueError: `only` names a scaling the sweep does not have (the message lists them).
     """
     n_ref = drafter.sharp.n_ref
-    suite = scalings(n_ref)
+    base = scalings(n_ref)
     if only:
-        unknown = [n for n in only if n not in suite]
+        unknown = [n for n in only if n not in base]
         if unknown:
-            raise ValueError(f"--scalings: unknown {unknown}; known: {list(suite)}")
-        suite = {n: sc for n, sc in suite.items() if n == "frozen" or n in only}
+            raise ValueError(f"--scalings: unknown {unknown}; known: {list(base)}")
+        base = {n: sc for n, sc in base.items() if n == "frozen" or n in only}
+    # every place SharpDraft can act on this drafter (drafter.sharp_variants(); one for most):
+    # "<variant>: <scaling>", frozen once (the variants differ only where beta applies)
+    variants = drafter.sharp_variants()
+    suite = {"frozen": (drafter, base["frozen"])}
+    for suffix, d in variants.items():
+        for n, sc in base.items():
+            if n != "frozen":
+                suite[f"{suffix}: {n}" if len(variants) > 1 else n] = (d, sc)
     gen = torch.Generator().manual_seed(seed)
     margin = getattr(drafter, "max_drafts", 8) + 2
     leads: Dict[str, Dict[int, list]] = {name: {} for name in suite}
@@ -166,14 +176,15 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
         seq = dict(features[s], layer_ids=layer_ids)
         anchors = torch.cat(list(by_bucket.values()))
         bucket = torch.cat([torch.full((len(a),), i) for i, a in by_bucket.items()])
-        for name, sc in suite.items():
-            drafter.sharp = sc
-            got = anchor_leads(drafter, target, seq, anchors)
+        for name, (d, sc) in suite.items():
+            d.sharp = sc
+            got = anchor_leads(d, target, seq, anchors)
             for i in by_bucket:
                 leads[name].setdefault(i, []).append(got[bucket == i])
             bar.update(1)
     bar.close()
-    drafter.sharp = SharpConfig(mode="none", n_ref=n_ref)
+    for d in variants.values():
+        d.sharp = SharpConfig(mode="none", n_ref=n_ref)
     rows = []
     for name in suite:
         for i, parts in sorted(leads[name].items()):
