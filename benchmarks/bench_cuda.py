@@ -9,7 +9,8 @@ Shapes (bfloat16): the flash-attn convention (batch * seqlen = 16k tokens, hidde
   sdpa       torch SDPA, flash backend, no scaling
   sdpa_pre   torch SDPA, flash backend, on q pre-multiplied by beta_i (the multiply is timed)
   fa2        flash_attn.flash_attn_func, when importable
-  sharp_alt  (--alt) sharp with SHARPDRAFT_CUDA_TILE=alt: the kernel's alternative prefill tile
+  sharp_alt, sharp_wide  (--alt) sharp with SHARPDRAFT_CUDA_TILE=alt / wide: the kernel's
+             switchable prefill tiles (wide: 32 query rows per warp at D 128)
 
 Causal shapes with Lq != Lk use bottom-right alignment in the kernel; SDPA's is_causal is
 top-left, so only Lq == Lk (or Lq == 1, non-causal) shapes are benchmarked causal.
@@ -67,9 +68,14 @@ def time_ms(fn, min_total_ms=60.0, max_reps=50):
 SMALL_M = 16  # Lq <= SMALL_M runs the one-warp tile (csrc/cuda/sharp_fwd_traits.h kSmallM)
 
 
-def with_alt_tile(fn):
-    """Runs fn with SHARPDRAFT_CUDA_TILE=alt (the kernel's alternative prefill tile)."""
-    os.environ["SHARPDRAFT_CUDA_TILE"] = "alt"
+# The switchable prefill tiles (SHARPDRAFT_CUDA_TILE, csrc/cuda/sharp_fwd_launch.cu) and the
+# head dims where each differs from the default.
+TILES = {"alt": (64, 128), "wide": (128,)}
+
+
+def with_tile(tile, fn):
+    """Runs fn with SHARPDRAFT_CUDA_TILE=tile (one of the kernel's switchable prefill tiles)."""
+    os.environ["SHARPDRAFT_CUDA_TILE"] = tile
     try:
         return fn()
     finally:
@@ -105,8 +111,10 @@ def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16, alt=False):
                                              n_ref=N_REF),
         "sharp_none": lambda: ext.sharp_attention(q, k, v, causal=causal, mode="none"),
     }
-    if alt and Lq > SMALL_M and D in (64, 128):
-        fns["sharp_alt"] = lambda: with_alt_tile(fns["sharp"])
+    if alt and Lq > SMALL_M:
+        for tile, dims in TILES.items():
+            if D in dims:
+                fns[f"sharp_{tile}"] = lambda tile=tile: with_tile(tile, fns["sharp"])
 
     def run_sdpa(qq):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -120,13 +128,15 @@ def bench_shape(name, B, H, Lq, Lk, D, causal, dtype=torch.bfloat16, alt=False):
 
     res = {"name": name, "B": B, "H": H, "Lq": Lq, "Lk": Lk, "D": D, "causal": causal,
            "flops": flops}
-    if "sharp_alt" in fns:  # the alternative tile must agree with the default one
+    for tile in TILES:  # a switchable tile must agree with the default one
+        if f"sharp_{tile}" not in fns:
+            continue
         try:
-            diff = (fns["sharp_alt"]().float() - fns["sharp"]().float()).abs().max().item()
-            res["alt_maxdiff"] = diff
+            diff = (fns[f"sharp_{tile}"]().float() - fns["sharp"]().float()).abs().max().item()
+            res[f"{tile}_maxdiff"] = diff
         except Exception as err:  # noqa: BLE001
-            res["sharp_alt_error"] = f"{type(err).__name__}: {err}"[:200]
-            del fns["sharp_alt"]
+            res[f"sharp_{tile}_error"] = f"{type(err).__name__}: {err}"[:200]
+            del fns[f"sharp_{tile}"]
     for key, fn in fns.items():
         try:
             ms = time_ms(fn)
@@ -145,7 +155,7 @@ def shapes(quick):
         H = 2048 // D
         for causal in (False, True):
             for L in seqlens:
-                out.append((f"fa-conv", 16384 // L, H, L, L, D, causal))
+                out.append(("fa-conv", 16384 // L, H, L, L, D, causal))
     for D in (64, 128):
         H = 2048 // D
         for B in (1, 8):
@@ -161,7 +171,7 @@ def fmt(x, spec):
 
 def write_markdown(results, path, device, elapsed, commit=None, command=None):
     have_fa2 = any(r.get("fa2_ms") is not None for r in results)
-    have_alt = any(r.get("sharp_alt_ms") is not None for r in results)
+    tiles = [t for t in TILES if any(r.get(f"sharp_{t}_ms") is not None for r in results)]
     lines = [
         "# CUDA forward benchmark (sharp attention vs SDPA flash)",
         "",
@@ -180,9 +190,9 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
         "",
         "| shape | B | H | Lq | Lk | D | causal | sharp TF/s | none TF/s | sdpa TF/s | "
         "sdpa_pre TF/s |" + (" fa2 TF/s |" if have_fa2 else "") +
-        " vs sdpa | vs sdpa_pre | scaling cost |" + (" alt tile TF/s |" if have_alt else ""),
+        " vs sdpa | vs sdpa_pre | scaling cost |" + "".join(f" {t} tile TF/s |" for t in tiles),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if have_fa2 else "") +
-        "---|---|---|" + ("---|" if have_alt else ""),
+        "---|---|---|" + "---|" * len(tiles),
     ]
     for r in results:
         s, n, d, p = (r.get(k + "_ms") for k in ("sharp", "sharp_none", "sdpa", "sdpa_pre"))
@@ -198,8 +208,8 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
         row += (f" {fmt(ratio, '.2f')}{'x' if ratio else ''} |"
                 f" {fmt(ratio_pre, '.2f')}{'x' if ratio_pre else ''} |"
                 f" {fmt(cost, '+.1f')}{'%' if cost is not None else ''} |")
-        if have_alt:
-            row += f" {fmt(r.get('sharp_alt_tflops'), '.1f')} |"
+        for t in tiles:
+            row += f" {fmt(r.get(f'sharp_{t}_tflops'), '.1f')} |"
         lines.append(row)
     errors = [(r["name"], k, v) for r in results for k, v in r.items() if k.endswith("_error")]
     if errors:
@@ -213,18 +223,20 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
                       f"max {max(ratios):.2f}x over {len(ratios)} shapes; scaling cost "
                       f"median {sorted(costs)[len(costs) // 2] * 100:+.1f}%, "
                       f"max {max(costs) * 100:+.1f}%."]
-    if have_alt:
-        best = [r["sdpa_ms"] / min(r["sharp_ms"], r.get("sharp_alt_ms") or r["sharp_ms"])
+    if tiles:
+        best = [r["sdpa_ms"] / min([r["sharp_ms"]] + [r[f"sharp_{t}_ms"] for t in tiles
+                                                      if r.get(f"sharp_{t}_ms")])
                 for r in results if r.get("sdpa_ms") and r.get("sharp_ms")]
         if best:
-            lines += ["", f"With the faster of the default and the alt tile per shape: speed "
-                          f"ratio min {min(best):.2f}x, geomean "
+            lines += ["", f"With the fastest of the default and the {', '.join(tiles)} tiles per "
+                          f"shape: speed ratio min {min(best):.2f}x, geomean "
                           f"{math.exp(sum(map(math.log, best)) / len(best)):.2f}x."]
-        diffs = [r["alt_maxdiff"] for r in results if "alt_maxdiff" in r]
-        lines += ["", "`alt tile`: the same fixed_slope call with SHARPDRAFT_CUDA_TILE=alt "
-                      "(AltTraits in csrc/cuda/sharp_fwd_traits.h: D=64 64x128 tiles, D=128 "
-                      "64x64 tiles, 4 warps, 2 CTAs per SM); max |alt - default| over the "
-                      f"outputs: {max(diffs) if diffs else float('nan'):.3g}."]
+        for t in tiles:
+            diffs = [r[f"{t}_maxdiff"] for r in results if f"{t}_maxdiff" in r]
+            lines += ["", f"`{t} tile`: the same fixed_slope call with SHARPDRAFT_CUDA_TILE={t} "
+                          f"({t.capitalize()}Traits in csrc/cuda/sharp_fwd_traits.h); max "
+                          f"|{t} - default| over the outputs: "
+                          f"{max(diffs) if diffs else float('nan'):.3g}."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

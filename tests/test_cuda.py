@@ -177,13 +177,13 @@ def test_mask_kinds_small_m(kind, D, dtype):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", DT16, ids=DT_ID.get)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("tile,D", [("alt", 64), ("alt", 128), ("wide", 128)])
 @pytest.mark.parametrize("kind", ["none", "causal", "causal_window", "kv_lens_causal",
                                   "mask_head", "mask_causal"])
-def test_alt_tile(kind, D, dtype, monkeypatch):
-    """SHARPDRAFT_CUDA_TILE=alt (the alternative prefill tile the benchmark times)."""
-    monkeypatch.setenv("SHARPDRAFT_CUDA_TILE", "alt")
-    g = make_gen(stable_seed("alt", kind, D, dtype))
+def test_switchable_tiles(kind, tile, D, dtype, monkeypatch):
+    """SHARPDRAFT_CUDA_TILE=alt / wide (the switchable prefill tiles the benchmark times)."""
+    monkeypatch.setenv("SHARPDRAFT_CUDA_TILE", tile)
+    g = make_gen(stable_seed(tile, kind, D, dtype))
     B, Hq, Hk, Lq, Lk = 2, 4, 2, 150, 333
     q, k, v = make_qkv(B, Hq, Hk, Lq, Lk, D, dtype, g)
     check_dense_cuda(q, k, v, n_ref=64, **mask_kwargs(kind, B, Hq, Lq, Lk, g))

@@ -86,19 +86,19 @@ struct AltTraits<128, Element> {
   using type = FwdTraits<128, 64, 64, 4, true, 2, Element>;
 };
 
-// Prefill tiles of 32 query rows per warp (two m16 fragments: twice the MMAs per K/V
-// fragment read from shared memory, as FlashAttention-2 runs head dim 128), selected with
-// SHARPDRAFT_CUDA_TILE=wide until a GPU run confirms them (benchmarks/bench_cuda.py).
-// Head dim 128: 128 x 32 tiles of 4 warps with Q re-read from shared memory, which keeps
-// the 64 output and 16 score accumulators per thread and the fragments in flight within the
-// register budget of 1 CTA per SM. The other head dims keep their default.
+// Prefill tiles of 32 query rows per warp (two m16 fragments: every K / V fragment read from
+// shared memory feeds twice the MMAs, as FlashAttention-2 runs head dim 128), selected with
+// SHARPDRAFT_CUDA_TILE=wide until a GPU run confirms them (benchmarks/bench_cuda.py). Head dim
+// 128: 128 x 16 tiles of 4 warps with Q re-read from shared memory (128 output and 16 score
+// accumulators per thread: 235-240 registers, no spills on sm_80 / sm_90a; 128 x 32 spills
+// 148 bytes, and so does 64 x 32 with 2 warps). The other head dims keep their default.
 template <int kHeadDim, typename Element>
 struct WideTraits {
   using type = typename DefaultTraits<kHeadDim, Element>::type;
 };
 template <typename Element>
 struct WideTraits<128, Element> {
-  using type = FwdTraits<128, 128, 32, 4, false, 1, Element>;
+  using type = FwdTraits<128, 128, 16, 4, false, 1, Element>;
 };
 
 // The configuration for calls whose query rows per sequence fit one m16 fragment (decode,
