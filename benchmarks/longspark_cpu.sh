@@ -16,3 +16,9 @@ sharpdraft analyze sweep --drafter longspark --length 7168 --sequences 3 --per-b
   --scalings "slope 0.2" "const e^0.4" --out "$OUT/sweep" "${T[@]}"
 sharpdraft generate --drafter longspark --kjv-context 2048 --compare-ar --max-new-tokens 256 \
   --json "${T[@]}" > "$OUT/main_job_longspark.json"
+sharpdraft generate --drafter longspark --kjv-context 2048 --compare-ar --max-new-tokens 256 \
+  --json "${T[@]}" > "$OUT/main_job_longspark_repeat.json"
+sharpdraft generate --drafter longspark --kjv-context 2048 --compare-ar --max-new-tokens 256 \
+  --no-sharp --json "${T[@]}" > "$OUT/main_job_longspark_frozen.json"
+sharpdraft generate --drafter eagle3 --tree --kjv-context 2048 --compare-ar --max-new-tokens 256 \
+  --json "${T[@]}" > "$OUT/main_job_eagle3_tree_same_session.json"
