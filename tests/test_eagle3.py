@@ -48,7 +48,7 @@ class ScriptedTreeDrafter(Eagle3Drafter):
         super().__init__(base.config)
         self.prompt_len, self.cont, self.wrong_from = prompt_len, continuation, wrong_from
 
-    def start(self, target, prompt_ids, hidden_states):
+    def start(self, target, prompt_ids, hidden_states, target_cache=None):
         outer = self
 
         class Session:
