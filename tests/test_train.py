@@ -466,3 +466,14 @@ def test_longspark_loss_reads_only_trained_rows(setup):
     a, b, c = (float(tl.round_step(d, target, s, anchors, w, None, 0.1)[0].detach())
                for s in (seq, other, moved))
     assert not bool(seq["trained"][3]) and a == b and a != c
+
+
+def test_agreement_metrics_by_hand():
+    ok1 = torch.tensor([[True, True, False], [False, True, False]])    # already & valid
+    v1 = torch.tensor([[True, True, True], [True, True, False]])
+    ok2 = torch.tensor([[True, False, True]])
+    v2 = torch.tensor([[True, True, True]])
+    m = losses.agreement_metrics([1.0, 3.0], [ok1, ok2], [v1, v2])
+    assert m["loss"] == 2.0
+    assert m["top1_per_position"] == [round(2 / 3, 4), round(2 / 3, 4), 0.5]
+    assert abs(m["tau_proxy"] - (1 + (2 + 0 + 1) / 3)) < 1e-9     # leading runs 2, 0, 1

@@ -29,8 +29,8 @@ import torch
 
 from ..drafters.dflash import (DFlashConfig, DFlashDrafter, default_mask_token_id,
                               evenly_spaced_layers)
-from .losses import (distill_loss, draft_vocabulary, feature_scale, position_weights,
-                     target_to_draft)
+from .losses import (agreement_metrics, distill_loss, draft_vocabulary, feature_scale,
+                     position_weights, target_to_draft)
 from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
                    run_meta)
 
@@ -107,7 +107,7 @@ def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float
     gen = torch.Generator().manual_seed(seed)
     w = position_weights(b, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
-    agree, counted, lead, losses = [], [], [], []
+    losses, oks, valids = [], [], []
     for s in range(len(features)):
         seq = features[s]
         if not bool(seq["trained"][1:].any()):
@@ -116,15 +116,9 @@ def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float
         loss, _, logits, top_i, valid = block_step(drafter, target, seq, anchors, w, t2d, scale)
         losses.append(float(loss))
         guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
-        ok = (guess == top_i[..., 0]) & valid                                 # (K, b - 1)
-        agree.append(ok.float().sum(0))
-        counted.append(valid.float().sum(0))
-        lead.append(ok.int().cumprod(-1).sum(-1).float())
-    per_pos = torch.stack(agree).sum(0) / torch.stack(counted).sum(0).clamp_min(1.0)
-    return {"loss": sum(losses) / len(losses),
-            "top1_per_position": [round(float(x), 4) for x in per_pos],
-            "top1_mean": float(per_pos.mean()),
-            "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+        oks.append((guess == top_i[..., 0]) & valid)                          # (K, b - 1)
+        valids.append(valid)
+    return agreement_metrics(losses, oks, valids)
 
 
 def make_loss(drafter: DFlashDrafter, target, features, *, blocks: int, gamma: float,

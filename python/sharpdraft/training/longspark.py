@@ -30,8 +30,8 @@ import torch
 from ..drafters.dflash import default_mask_token_id, evenly_spaced_layers
 from ..drafters.longspark import LongSparkConfig, LongSparkDrafter
 from .dflash import sample_anchors
-from .losses import (draft_vocabulary, feature_scale, l1_distance, position_weights,
-                     target_to_draft)
+from .losses import (agreement_metrics, draft_vocabulary, feature_scale, l1_distance,
+                     position_weights, target_to_draft)
 from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
                    run_meta)
 
@@ -98,7 +98,7 @@ def evaluate(drafter: LongSparkDrafter, target, features, blocks: int, gamma: fl
     gen = torch.Generator().manual_seed(seed)
     w = position_weights(B + 1, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
-    agree, counted, lead, losses = [], [], [], []
+    losses, oks, valids = [], [], []
     for s in range(len(features)):
         seq = features[s]
         if seq["ids"].shape[0] < 3 or not bool(seq["trained"][1:-1].any()):
@@ -108,15 +108,9 @@ def evaluate(drafter: LongSparkDrafter, target, features, blocks: int, gamma: fl
                                                teacher="target")
         losses.append(float(loss))
         guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
-        ok = (guess == seq["top_i"][rows][..., 0].long()) & valid
-        agree.append(ok.float().sum(0))
-        counted.append(valid.float().sum(0))
-        lead.append(ok.int().cumprod(-1).sum(-1).float())
-    per_pos = torch.stack(agree).sum(0) / torch.stack(counted).sum(0).clamp_min(1.0)
-    return {"loss": sum(losses) / len(losses),
-            "top1_per_position": [round(float(x), 4) for x in per_pos],
-            "top1_mean": float(per_pos.mean()),
-            "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+        oks.append((guess == seq["top_i"][rows][..., 0].long()) & valid)
+        valids.append(valid)
+    return agreement_metrics(losses, oks, valids)
 
 
 def make_loss(drafter: LongSparkDrafter, target, features, *, blocks: int, gamma: float,

@@ -66,6 +66,20 @@ def distill_loss(logits: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor,
     return (ce * w).sum() / w.sum().clamp_min(1e-12), per_row.detach()
 
 
+def agreement_metrics(losses, oks, valids) -> dict:
+    """Held-out metrics of the parallel drafters' evaluations: losses, one per sequence; oks /
+    valids, per sequence, (K, n) bool: draft j of round k equals the target's top-1 / is a
+    training target. Returns loss (mean), top1_per_position (n,), top1_mean and tau_proxy =
+    1 + E[number of leading agreeing drafts] (an invalid row ends the run)."""
+    agree = torch.stack([ok.float().sum(0) for ok in oks]).sum(0)
+    counted = torch.stack([v.float().sum(0) for v in valids]).sum(0)
+    per_pos = agree / counted.clamp_min(1.0)
+    lead = torch.cat([ok.int().cumprod(-1).sum(-1).float() for ok in oks])
+    return {"loss": sum(losses) / len(losses),
+            "top1_per_position": [round(float(x), 4) for x in per_pos],
+            "top1_mean": float(per_pos.mean()), "tau_proxy": 1.0 + float(lead.mean())}
+
+
 def copy_losses(ce: torch.Tensor, copy: torch.Tensor, num_copies: int) -> torch.Tensor:
     """(C,) mean of the per-row losses `ce` (R,) of each copy (`copy` (R,) int64); NaN where a
     copy has no rows (PARD)."""
