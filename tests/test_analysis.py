@@ -258,3 +258,37 @@ def test_sweep_run_writes_paired_tables(tmp_path):
     for f in ("sweep.json", "sweep.md", "sweep.png"):
         assert (tmp_path / "o" / f).exists()
     assert "| const e^0.2 |" in (tmp_path / "o" / "sweep.md").read_text()
+
+
+def test_long_decode_buckets_every_step_by_output_length(tmp_path):
+    """analysis.long_decode: one row per (scaling, bucket) whose steps add up to each run's
+    verification steps; the text is the same under every scaling (lossless greedy)."""
+    from sharpdraft.analysis import long_decode
+    target = tiny_target()
+    drafter = tiny_drafter(target, block_size=4)
+
+    class Tok:
+        eos_token_id = None
+    prompts = [{"name": "a", "ids": torch.randint(3, 250, (1, 12),
+                                                  generator=torch.Generator().manual_seed(1))}]
+    rep = long_decode.run(target, Tok(), drafter, prompts, drafter_name="dflash",
+                          max_new_tokens=40, bucket=16, out=tmp_path, only=["slope 0.2"])
+    assert rep["settings"]["same_text_under_every_scaling"]
+    frozen = [r for r in rep["rows"] if r["scaling"] == "frozen"]
+    assert [r["bucket"][0] for r in frozen] == [0, 16, 32][:len(frozen)] and len(frozen) >= 2
+    res = speculative_generate(target, drafter, prompts[0]["ids"], 40)
+    assert sum(r["steps"] for r in frozen) == len(res.accept_lengths)
+    tau = sum(r["tau"] * r["steps"] for r in frozen) / len(res.accept_lengths)
+    assert abs(tau - res.tau) < 1e-3
+    assert "| slope 0.2 |" in (tmp_path / "decode.md").read_text()
+    with pytest.raises(ValueError, match="unknown"):
+        long_decode.run(target, Tok(), drafter, prompts, drafter_name="dflash",
+                        max_new_tokens=4, bucket=16, out=tmp_path, only=["slope 9"])
+
+
+def test_bootstrap_diff_brackets_the_difference():
+    from sharpdraft.analysis.long_decode import bootstrap_diff
+    x = torch.tensor([3.0, 4.0, 5.0, 4.0] * 10)
+    y = torch.tensor([1.0, 2.0, 1.0, 2.0] * 10)
+    d, lo, hi = bootstrap_diff(x, y)
+    assert d == pytest.approx(2.5) and lo < 2.5 < hi and hi - lo < 1.0

@@ -21,6 +21,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
     sharpdraft analyze mass --drafter dflash --out analysis/mass      # dilution by context
     sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
     sharpdraft analyze sweep --drafter dflash --out analysis/sweep    # proxy tau per scaling
+    sharpdraft analyze sweep --drafter dflash --decode 1024 --out analysis/decode   # by output length
     sharpdraft analyze adapt --drafter dflash --out analysis/adapt    # vs online fine-tuning
 """
 from __future__ import annotations
@@ -235,6 +236,19 @@ def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
     from .drafters.dflash import evenly_spaced_layers
     from .training.cache import cached_features
 
+    if args.decode:                    # part (b): real decoding with long outputs
+        from .analysis import long_decode
+        prompts = long_decode.long_output_prompts(tokenizer)
+        for p in prompts:
+            check_context(target, p["ids"].shape[1], args.decode, f"prompt {p['name']}")
+        try:
+            rep = long_decode.run(target, tokenizer, drafter, prompts, drafter_name=args.drafter,
+                                  max_new_tokens=args.decode, bucket=args.bucket, out=args.out,
+                                  only=args.scalings, seed=args.seed)
+        except ValueError as err:
+            raise SystemExit(f"sharpdraft analyze sweep: error: {err}")
+        print((Path(args.out) / "decode.md").read_text())
+        return {"target": provenance, "out": args.out, "rows": len(rep["rows"])}
     layer_ids = evenly_spaced_layers(target.config.num_hidden_layers, 4)
     check_context(target, args.length, 0, "--length")
     try:
@@ -488,6 +502,12 @@ def parser() -> argparse.ArgumentParser:
                      help="context buckets: anchors in [edges[i], edges[i+1])")
     asw.add_argument("--per-bucket", type=int, default=24,
                      help="anchors per bucket and sequence")
+    asw.add_argument("--decode", type=int, default=0, metavar="N",
+                     help="real greedy decoding of N new tokens on long-output prompts "
+                          "(analysis.long_decode), tau by output length, instead of the "
+                          "teacher-forced proxy (0: off)")
+    asw.add_argument("--bucket", type=int, default=256,
+                     help="with --decode: output-length bucket in tokens")
     asw.add_argument("--scalings", nargs="+", default=None, metavar="NAME",
                      help="only these scalings (names as in sweep.md, e.g. 'slope 0.2'; frozen "
                           "is always run); default: all of them")

@@ -235,7 +235,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: List[dict], meta: dict, path) -> None:
+def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the anchor (tokens)",
+         ylabel: str = "tau proxy (teacher forced)", what: str = "acceptance proxy by context"
+         ) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -252,9 +254,9 @@ def plot(rows: List[dict], meta: dict, path) -> None:
         ax.errorbar(x, y, yerr=err, fmt="o-" if name == "frozen" else ".-", capsize=2, lw=1,
                     label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context at the anchor (tokens)")
-    ax.set_ylabel("tau proxy (teacher forced)")
-    ax.set_title(f"{meta['drafter']}: acceptance proxy by context, 95% bootstrap intervals")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{meta['drafter']}: {what}, 95% bootstrap intervals")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
