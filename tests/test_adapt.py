@@ -146,3 +146,4 @@ def test_run_reports_every_method(target, tmp_path):
     saved = json.loads((tmp_path / "adapt.json").read_text())
     assert saved["summary"] == rep["summary"]
     assert "| lora-r4 |" in (tmp_path / "adapt.md").read_text()
+    assert (tmp_path / "adapt.png").stat().st_size > 0

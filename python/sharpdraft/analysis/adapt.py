@@ -292,7 +292,29 @@ def run(target, tokenizer, drafter, prompts: List[dict], *, max_new_tokens: int,
     (out / "adapt.json").write_text(json.dumps({"settings": meta, "rows": rows,
                                                 "summary": summary}, indent=2))
     (out / "adapt.md").write_text(markdown(summary, meta))
+    plot(summary, out / "adapt.png")
     return {"settings": meta, "rows": rows, "summary": summary}
+
+
+def plot(summary: Dict[str, dict], path) -> None:
+    """Bars of mean tau and speedup over target-only decoding per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, title in ((axes[0], "tau", "mean tau"),
+                           (axes[1], "speedup", "speedup vs target-only")):
+        ax.bar(labels, [summary[k][key] for k in labels],
+               color=["C0" if summary[k]["trainable_parameters"] == 0 else "C1" for k in labels])
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=30)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    fig.suptitle("online adaptation (orange) vs frozen and SharpDraft (blue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def markdown(summary: Dict[str, dict], meta: dict) -> str:
