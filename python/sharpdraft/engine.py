@@ -276,7 +276,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     Args:
         target: a transformers causal LM.
         drafter: a `sharpdraft.drafters.base.Drafter` built for this target (DFlash, EAGLE-3,
-            PARD; its `sharp` config is used as is). Its session proposes up to
+            PARD, LongSpark; its `sharp` config is used as is), or any object with the session
+            protocol (`analysis.adapt.OnlineAdapter`). Its session proposes up to
             `drafter.max_drafts` tokens per step.
         prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
             `autoregressive_generate`.
