@@ -122,7 +122,7 @@ def run(target, tokenizer, drafter, prompts: List[dict], *, drafter_name: str,
     (out / "decode.md").write_text(markdown(rows, meta))
     plot([dict(r, tau_proxy=r["tau"]) for r in rows], meta, out / "decode.png",
          xlabel="tokens generated before the step", ylabel="tau (real greedy decoding)",
-         what="acceptance by output length")
+         what="acceptance by output length", log_x=False)
     return {"settings": meta, "rows": rows}
 
 

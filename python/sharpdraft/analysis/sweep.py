@@ -236,8 +236,10 @@ def markdown(rows: List[dict], meta: dict) -> str:
 
 
 def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the anchor (tokens)",
-         ylabel: str = "tau proxy (teacher forced)", what: str = "acceptance proxy by context"
-         ) -> None:
+         ylabel: str = "tau proxy (teacher forced)", what: str = "acceptance proxy by context",
+         log_x: bool = True) -> None:
+    """One line per scaling with its 95% intervals, at each bucket's geometric (log_x) or
+    arithmetic centre."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -246,14 +248,16 @@ def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the an
     names = list(dict.fromkeys(r["scaling"] for r in rows))
     for k, name in enumerate(names):
         rs = sorted((r for r in rows if r["scaling"] == name), key=lambda r: r["bucket"][0])
-        x = [math.sqrt(r["bucket"][0] * r["bucket"][1]) * (1 + 0.02 * (k - len(names) / 2))
-             for r in rs]
+        centre = [math.sqrt(r["bucket"][0] * r["bucket"][1]) if log_x
+                  else (r["bucket"][0] + r["bucket"][1]) / 2 for r in rs]
+        x = [c * (1 + 0.02 * (k - len(names) / 2)) for c in centre]
         y = [r["tau_proxy"] for r in rs]
         err = [[r["tau_proxy"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["tau_proxy"]
                                                              for r in rs]]
         ax.errorbar(x, y, yerr=err, fmt="o-" if name == "frozen" else ".-", capsize=2, lw=1,
                     label=name)
-    ax.set_xscale("log", base=2)
+    if log_x:
+        ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{meta['drafter']}: {what}, 95% bootstrap intervals")
