@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .. import data
 from ..attention import SharpConfig
 from ..engine import speculative_generate
-from .sweep import bootstrap_ci, plot, scalings
+from .sweep import bootstrap_ci, delta_table, plot, scalings
 
 TASKS = {
     "diary": "Write the diary of a shepherd in the hills for thirty days, one entry per day, "
@@ -144,11 +144,4 @@ def markdown(rows: List[dict], meta: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(
             "" if c is None else f"{c['tau']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] "
             f"({c['steps']})" for c in cells) + " |")
-    lines += ["", "| scaling - frozen | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
-              "|---|" + "---:|" * len(buckets)]
-    for name in names[1:]:
-        cells = [get.get((name, b)) for b in buckets]
-        lines.append(f"| {name} | " + " | ".join(
-            "" if c is None else f"{c['delta_vs_frozen']:+.3f} [{c['delta_ci95'][0]:+.2f}, "
-            f"{c['delta_ci95'][1]:+.2f}]" for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + delta_table(rows)) + "\n"

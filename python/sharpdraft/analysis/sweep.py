@@ -225,14 +225,23 @@ def markdown(rows: List[dict], meta: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(
             "" if c is None else f"{c['tau_proxy']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
             for c in cells) + " |")
-    lines += ["", "| scaling - frozen | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
-              "|---|" + "---:|" * len(buckets)]
-    for name in names[1:]:
+    return "\n".join(lines + delta_table(rows)) + "\n"
+
+
+def delta_table(rows: List[dict]) -> List[str]:
+    """Markdown lines of the difference from frozen (delta_vs_frozen [delta_ci95]) of every
+    scaling but frozen, by bucket."""
+    buckets = sorted({tuple(r["bucket"]) for r in rows})
+    get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
+    names = [n for n in dict.fromkeys(r["scaling"] for r in rows) if n != "frozen"]
+    lines = ["", "| scaling - frozen | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
+             "|---|" + "---:|" * len(buckets)]
+    for name in names:
         cells = [get.get((name, b)) for b in buckets]
         lines.append(f"| {name} | " + " | ".join(
             "" if c is None else f"{c['delta_vs_frozen']:+.3f} [{c['delta_ci95'][0]:+.2f}, "
             f"{c['delta_ci95'][1]:+.2f}]" for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the anchor (tokens)",
