@@ -295,10 +295,7 @@ class LongSparkDrafter(Drafter):
     def summary_beta(self, layer: int, n: int) -> torch.Tensor:
         """beta of the summary queries of draft layer `layer` at n keys (per head when the
         layer's slope is per head)."""
-        kw = self.summary_sharp().kernel_kwargs(layer)
-        kw = {k: kw[k] for k in ("mode", "slope", "n_ref", "topk", "contrast", "beta_min",
-                                 "beta_max")}
-        return ext.query_scale(torch.tensor([n]), **kw)
+        return ext.query_scale(torch.tensor([n]), **self.summary_sharp().kernel_kwargs(layer))
 
     # ----- the summary ---------------------------------------------------------------------
     def summary_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor,
@@ -394,12 +391,13 @@ class LongSparkDrafter(Drafter):
             m, _ = self.summary_chunk(j, k, v, attn_mask=smask)
             summaries.append(m[0].view(-1, K, c.summary_size, c.head_dim).transpose(0, 1))
         z0 = self.slot_logits(target, ids[anchors].long(), features[anchors - 1], anchors,
-                              windows, wmask, summaries, self.train_n_visible(anchors))
+                              windows, wmask, summaries, self.slots_n_visible(anchors))
         return z0 + self.correction(predecessors)
 
-    def train_n_visible(self, anchors: torch.Tensor):
-        """The draft layers' n_visible of rounds at `anchors` (None unless sharp_scope is
-        "slots": B + t, t = anchors the context length)."""
+    def slots_n_visible(self, anchors: torch.Tensor):
+        """The draft layers' n_visible of rounds whose committed token sits at `anchors` (the
+        context length t), for training and inference alike: None unless sharp_scope is
+        "slots" and SharpDraft is on, else B + t."""
         if self.config.sharp_scope != "slots" or self.sharp.mode == "none":
             return None
         return (anchors + self.config.num_drafts).view(-1, 1, 1)
@@ -480,7 +478,7 @@ class LongSparkSession:
         d, c = self.drafter, self.drafter.config
         dev = self.boundary.device
         windows = [self.window(j) for j in range(c.num_layers)]
-        n_visible = d.train_n_visible(torch.tensor([position], device=dev))
+        n_visible = d.slots_n_visible(torch.tensor([position], device=dev))
         z0 = d.slot_logits(self.target, torch.tensor([last], device=dev), self.boundary,
                            torch.tensor([position], device=dev), windows, None,
                            [m for m, _ in self.summary], n_visible)[0]
