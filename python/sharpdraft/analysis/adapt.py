@@ -53,8 +53,6 @@ class OnlineAdapter:
     """
 
     drafts_trees = False
-    needs_hidden_states = True
-    one_softmax_per_call = True
     _sharpdraft_packed = True        # the engine must not prepack weights that train
 
     def __init__(self, drafter, target, mode: str = "lora", *, rank: int = 16, every: int = 4,
