@@ -270,8 +270,8 @@ def test_resumed_run_gives_the_same_corpus_as_an_uninterrupted_one(target, tmp_p
 def test_resume_refuses_other_settings_or_target(target, tmp_path):
     model, tok = target
     run(model, tok, tmp_path / "c", max_shards=1)
-    other = dataclasses.replace(SETTINGS, batch=5)
-    with pytest.raises(ValueError, match="--batch 5"):
+    other = dataclasses.replace(SETTINGS, max_new_tokens=SETTINGS.max_new_tokens + 1)
+    with pytest.raises(ValueError, match=f"--max-new-tokens {SETTINGS.max_new_tokens + 1}"):
         corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, other,
                                documents=fake_documents, progress=False,
                                provenance={"sha256": "ab" * 32})
@@ -279,6 +279,24 @@ def test_resume_refuses_other_settings_or_target(target, tmp_path):
         corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, SETTINGS,
                                documents=fake_documents, progress=False,
                                provenance={"sha256": "cd" * 32})
+
+
+def test_resume_may_change_the_batch_schedule_and_each_shard_records_its_own(target, tmp_path):
+    model, tok = target
+    run(model, tok, tmp_path / "c", max_shards=2)            # a train and a held-out shard
+    wider = dataclasses.replace(SETTINGS, batch=SETTINGS.batch + 2, batches_per_shard=1)
+    m = corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, wider, max_shards=1,
+                               documents=fake_documents, progress=False,
+                               provenance={"sha256": "ab" * 32})
+    first, _, second = m["shards"]
+    assert first["split"] == second["split"] == "train"
+    assert (first["batch"], first["batches_per_shard"]) == (SETTINGS.batch,
+                                                            SETTINGS.batches_per_shard)
+    assert (second["batch"], second["batches_per_shard"]) == (SETTINGS.batch + 2, 1)
+    assert [b["size"] for b in second["batches"]][0] == SETTINGS.batch + 2
+    # the second shard starts where the first stopped: no prompt is used twice
+    assert second["prompt_range"][0] == first["prompt_range"][1]
+    assert len(corpus.load(tmp_path / "c")) == len(first["sequences"]) + len(second["sequences"])
 
 
 def test_a_crash_mid_shard_leaves_the_manifest_intact_and_the_rerun_completes(
@@ -333,8 +351,8 @@ def test_data_generate_command_writes_and_resumes_a_corpus(checkpoint, tmp_path,
     assert cli.main(argv[:5] + [str(done + 1)] + argv[6:]) == 0      # resumes: one more shard
     report = json.loads(capsys.readouterr().out)
     assert report["counts"]["train"]["response_tokens"] > done and report["shards"] == 2
-    with pytest.raises(SystemExit, match="--batch 5"):      # resume with other settings
-        cli.main(argv[:7] + ["5"] + argv[8:])
+    with pytest.raises(SystemExit, match="--max-new-tokens 9"):   # resume with other settings
+        cli.main(argv[:9] + ["9"] + argv[10:])
 
 
 @pytest.mark.parametrize("flag, value", [("--tokens", "0"), ("--batch", "0"),

@@ -16,7 +16,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
     sharpdraft train eagle3 --corpus corpus --out my-eagle --max-minutes 12 --threads 2
 
-    sharpdraft data generate --out corpus --tokens 1000000 --batch 16 --threads 2   # resumable
+    sharpdraft data generate --out corpus --tokens 1000000 --batch 64 --threads 2   # resumable
 
     sharpdraft analyze mass --drafter dflash --out analysis/mass      # dilution by context
     sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
@@ -449,7 +449,9 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--out", required=True, help="corpus folder (an existing one is resumed)")
     dg.add_argument("--tokens", type=int, required=True,
                     help="stop once the train split holds this many response tokens")
-    dg.add_argument("--batch", type=int, default=16, help="prompts per generate call")
+    dg.add_argument("--batch", type=int, default=64,
+                    help="prompts per generate call (may change when resuming: each shard "
+                         "records its own)")
     dg.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     dg.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     dg.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -457,7 +459,8 @@ def parser() -> argparse.ArgumentParser:
                     help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     dg.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target weights")
     dg.add_argument("--batches-per-shard", type=int, default=4,
-                    help="first-turn batches per shard (plus one batch of follow-ups)")
+                    help="first-turn batches per shard (plus one batch of follow-ups; may "
+                         "change when resuming)")
     dg.add_argument("--max-seq-len", type=int, default=1024,
                     help="prompt + --max-new-tokens must fit in this (longer prompts skipped)")
     dg.add_argument("--heldout-every", type=int, default=20,

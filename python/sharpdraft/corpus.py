@@ -403,7 +403,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 # ----- settings, shards and the manifest ----------------------------------------------------------
 @dataclass
 class Settings:
-    """What fixes a corpus's content: a resumed run must use the same values.
+    """What fixes a corpus's content: a resumed run must use the same values, except the
+    schedule (`RESCHEDULABLE`: batch, batches_per_shard), which may change from one run to the
+    next; every shard records the schedule it was made with.
 
     A shard is `batches_per_shard` batches of `batch` first-turn prompts (sorted by length within
     the shard, to pad little) plus one batch of up to `batch` follow-ups (the shortest); every `sample_every`-th
@@ -422,6 +424,9 @@ class Settings:
     heldout_every: int = 20
     max_seq_len: int = 1024
     dtype: str = "float32"
+
+
+RESCHEDULABLE = ("batch", "batches_per_shard")   # how prompts are grouped, not what they are
 
 
 def shard_split(k: int, settings: Settings) -> str:
@@ -581,6 +586,8 @@ def _check_resume(manifest: dict, settings: Settings, sha: Optional[str], prompt
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{out}: manifest format {manifest.get('format')!r}, expected {FORMAT}")
     for key, old in manifest["settings"].items():
+        if key in RESCHEDULABLE:
+            continue
         new = getattr(settings, key, None)
         if new != old:
             raise ValueError(f"--{key.replace('_', '-')} {new}: {out} was generated with "
@@ -617,7 +624,8 @@ def generate_corpus(model, tokenizer, out, tokens: int, settings: Settings = Set
     Args:
         model: a causal LM (prepared with `sharpdraft.runtime.prepare_target` for speed on CPU).
         tokenizer: its tokenizer (chat template used when it has one).
-        settings: see `Settings`; must equal those of an existing corpus in `out`.
+        settings: see `Settings`; must equal those of an existing corpus in `out`, except
+            batch and batches_per_shard (`RESCHEDULABLE`), which apply to the new shards.
         provenance: the target's (from `load_target`), stored in the manifest.
         tokens: target count of train response tokens (checked after every whole shard).
         max_shards: stop after writing this many shards in this call (tests, time budgets).
@@ -766,6 +774,7 @@ def _generate_shard(model, tokenizer, out: Path, k: int, split: str, prompts: Li
     n_resp = sum(int(sum(m)) for m in masks)
     n_prompt = sum(len(m) - int(sum(m)) for m in masks)
     return {"file": rel, "split": split, "index": k, "prompt_range": [start, end],
+            "batch": settings.batch, "batches_per_shard": settings.batches_per_shard,
             "skipped_too_long": skipped, "prompt_tokens": n_prompt, "response_tokens": n_resp,
             "generate_s": round(gen_s, 3),
             "response_tokens_per_s": round(n_resp / gen_s, 2) if gen_s > 0 else None,
