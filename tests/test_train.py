@@ -19,6 +19,15 @@ def byte_encoder(doc):
     return list(data.document_text(doc).encode("utf-8")[:2000])
 
 
+class ByteTokenizer:
+    """What `data.tokenizer_encoder` needs of a tokenizer: text to byte ids (vocabulary 256)."""
+    chat_template = None
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": list(text.encode("utf-8")[:2000])})()
+
+
 def test_kjv_is_shipped_and_complete():
     verses = data.kjv_verses()
     assert len(verses) == 31102
@@ -131,6 +140,63 @@ def test_cache_build_resumes_at_the_missing_shard(tmp_path, monkeypatch):
     assert not list((tmp_path / "c").glob("*.partial*"))
     with pytest.raises(ValueError, match="trained"):
         c.build(target, seqs[:1], [[True]], [0, 2], 4, {}, progress=False)
+
+
+def test_cache_folder_grows_with_its_list_and_serves_shorter_ones(tmp_path, monkeypatch):
+    """A longer list that begins with the cached one computes only the sequences it adds (plus
+    the partial last shard's); a shorter one computes nothing and loads exactly its prefix."""
+    target = tiny_target()
+    n = tc.SHARD_SEQUENCES
+    seqs = [[(5 * i + 3 * j) % 250 + 1 for j in range(12 + i % 7)] for i in range(2 * n + 7)]
+    flags = [[j % 3 != 0 for j in range(len(s) - 1)] + [False] for s in seqs]
+    calls = []
+    real = tc.compute_features
+    monkeypatch.setattr(tc, "compute_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = tc.FeatureCache(tmp_path / "c")
+    c.build(target, seqs[:n + 3], flags[:n + 3], [0, 2], 4, {}, progress=False)
+    assert len(calls) == n + 3
+    kept = c.load()[2]["feats"].clone()
+    calls.clear()
+    c.build(target, seqs, flags, [0, 2], 4, {}, progress=False)
+    assert len(calls) == len(seqs) - n            # shard 0 kept; shard 1 (3 -> 16) and shard 2
+    calls.clear()
+    short = n + 5
+    c.build(target, seqs[:short], flags[:short], [0, 2], 4, {}, progress=False)
+    assert calls == []                            # shard 1 begins with the wanted 5 sequences
+    fs = c.load(short)
+    assert len(fs) == short and torch.equal(fs[2]["feats"], kept)
+    assert [fs[s]["ids"].tolist() for s in range(short)] == seqs[:short]
+    assert sum(int(sh["ids"].shape[0]) for sh in fs.shards()) == sum(map(len, seqs[:short]))
+    assert len(c.load()) == len(seqs)
+    # a list that differs inside shard 1 rewrites that shard only
+    other = [list(s) for s in seqs[:n + 2]]
+    other[n + 1][0] = 251
+    calls.clear()
+    c.build(target, other, flags[:n + 2], [0, 2], 4, {}, progress=False)
+    assert len(calls) == 2 and c.load(n + 2)[n + 1]["ids"].tolist() == other[n + 1]
+    with pytest.raises(ValueError, match="wanted"):
+        c.load(len(seqs) + 1)
+
+
+def test_cached_features_keys_the_folder_by_content_not_by_the_list(tmp_path):
+    target = tiny_target()
+    tok = ByteTokenizer()
+    kw = dict(split="train", seq_len=48, topk=4, home=tmp_path)
+    small = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], tokens=2 * 48, **kw)
+    big = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], tokens=16 * 48, **kw)
+    assert small["folder"] == big["folder"]
+    assert small["meta"]["fingerprint"] != big["meta"]["fingerprint"]
+    assert len(big["features"]) > len(small["features"])
+    # packed text is not prefix-stable (sources interleave by budget): the small list again
+    # gets its own sequences and features back from the shared folder
+    again = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], tokens=2 * 48, **kw)
+    assert len(again["features"]) == len(small["features"])
+    for s in range(len(small["features"])):
+        assert torch.equal(again["features"][s]["ids"], small["features"][s]["ids"])
+        assert torch.equal(again["features"][s]["feats"], small["features"][s]["feats"])
+    other = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], tokens=2 * 48,
+                               **{**kw, "topk": 3})
+    assert other["folder"] != small["folder"]
 
 
 def test_distill_loss_and_weights():

@@ -16,7 +16,9 @@ Shards of `SHARD_SEQUENCES` sequences are stored flat (rows of every sequence on
 field, opened memory-mapped, so a cache larger than memory trains without loading it. A shard is
 written under temporary names and renamed, its ``offsets`` file last (a shard without it does not
 exist); ``meta.json`` written after the last shard marks the cache complete. Building resumes at
-the first missing shard.
+the first missing shard, and a folder serves every list of sequences that extends (or shortens)
+the one it was built for: a stored shard is kept when its ids and trained flags equal (or begin
+with) the wanted shard's, so growing a corpus only computes the new conversations.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ from ..runtime import captured_hidden_states
 
 SHARD_SEQUENCES = 16
 FIELDS = ("ids", "feats", "top_p", "top_i", "trained")
+# meta fields that describe the list of sequences rather than how each one's features are made
+LIST_FIELDS = ("tokens_per_source", "response_tokens", "response_tokens_per_kind", "fingerprint",
+               "sequences", "rows")
 
 
 @torch.no_grad()
@@ -74,9 +79,22 @@ class FeatureSet:
     torch tensors (`FIELDS`, each (T_s, ...)), `fs.lengths` (n,) int64, `fs.shards()` the flat
     per-shard tensors (for corpus-wide statistics)."""
 
-    def __init__(self, shards: List[Dict[str, np.ndarray]]):
+    def __init__(self, shards: List[Dict[str, np.ndarray]], limit: Optional[int] = None):
         if not shards:
             raise FileNotFoundError("the feature cache holds no shards")
+        if limit is not None:               # the first `limit` sequences only (views, no copy)
+            kept, left = [], limit
+            for sh in shards:
+                if left <= 0:
+                    break
+                m = min(left, len(sh["offsets"]) - 1)
+                end = int(sh["offsets"][m])
+                kept.append({**{f: sh[f][:end] for f in FIELDS}, "offsets": sh["offsets"][:m + 1]})
+                left -= m
+            if left > 0:
+                raise ValueError(f"the feature cache holds {limit - left} sequences, "
+                                 f"{limit} wanted")
+            shards = kept
         self._shards = shards
         self._where: List[Tuple[int, int]] = []
         for k, sh in enumerate(shards):
@@ -141,8 +159,12 @@ class FeatureCache:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
 
-    def complete(self) -> bool:
-        return (self.folder / "meta.json").exists()
+    def complete(self, fingerprint: Optional[str] = None) -> bool:
+        """meta.json exists (and, given a fingerprint, records that list of sequences)."""
+        path = self.folder / "meta.json"
+        if not path.exists():
+            return False
+        return fingerprint is None or json.loads(path.read_text()).get("fingerprint") == fingerprint
 
     def _path(self, k: int, field: str) -> Path:
         return self.folder / f"shard_{k:05d}.{field}.npy"
@@ -150,7 +172,8 @@ class FeatureCache:
     def build(self, target, sequences: Sequence[Sequence[int]],
               trained: Sequence[Sequence[bool]], layer_ids: List[int], topk: int, meta: dict,
               desc: str = "caching target features", progress: bool = True) -> None:
-        """Compute the missing shards (resumable), then write meta.json.
+        """Compute the missing shards (resumable), then write meta.json. A stored shard whose
+        sequences equal, or begin with, the wanted ones (ids and trained flags) is kept.
 
         Args:
             sequences: token ids of each sequence (one target forward each).
@@ -169,14 +192,30 @@ class FeatureCache:
                   disable=not progress, dynamic_ncols=True) as bar:
             for k in range(n_shards):
                 part = range(k * SHARD_SEQUENCES, min(len(sequences), (k + 1) * SHARD_SEQUENCES))
-                if not self._path(k, "offsets").exists():
-                    self._write_shard(k, target, [sequences[s] for s in part],
-                                      [trained[s] for s in part], layer_ids, topk)
+                want = ([sequences[s] for s in part], [trained[s] for s in part])
+                if not self._holds(k, *want):
+                    self._write_shard(k, target, *want, layer_ids, topk)
                 bar.update(sum(len(sequences[s]) for s in part))
         tmp = self.folder / "meta.json.partial"
         tmp.write_text(json.dumps({**meta, "sequences": len(sequences),
                                    "rows": int(sum(map(len, sequences)))}, indent=2))
         os.replace(tmp, self.folder / "meta.json")
+
+    def _holds(self, k: int, sequences, trained) -> bool:
+        """Shard k is written and its first sequences are exactly `sequences` / `trained`."""
+        if not self._path(k, "offsets").exists():
+            return False
+        offsets = np.load(self._path(k, "offsets"))
+        if len(offsets) - 1 < len(sequences):
+            return False
+        ids = np.load(self._path(k, "ids"), mmap_mode="r")
+        flags = np.load(self._path(k, "trained"), mmap_mode="r")
+        for j, (seq, tr) in enumerate(zip(sequences, trained)):
+            a, b = int(offsets[j]), int(offsets[j + 1])
+            if (b - a != len(seq) or not np.array_equal(ids[a:b], np.asarray(seq, np.int32))
+                    or not np.array_equal(flags[a:b], np.asarray(tr, bool))):
+                return False
+        return True
 
     def _write_shard(self, k, target, sequences, trained, layer_ids, topk) -> None:
         parts: Dict[str, list] = {f: [] for f in FIELDS}
@@ -196,16 +235,21 @@ class FeatureCache:
             np.save(tmp, arrays[field])
             os.replace(tmp, self._path(k, field))
 
-    def load(self) -> FeatureSet:
-        """The cache's shards, memory-mapped."""
+    def load(self, sequences: Optional[int] = None) -> FeatureSet:
+        """The cache's shards, memory-mapped: all of them, or the first `sequences` sequences.
+
+        Raises:
+            FileNotFoundError: no shard. ValueError: fewer than `sequences` sequences stored.
+        """
         shards, k = [], 0
-        while self._path(k, "offsets").exists():
+        while self._path(k, "offsets").exists() and (
+                sequences is None or k * SHARD_SEQUENCES < sequences):
             shards.append({f: np.load(self._path(k, f), mmap_mode="r")
                            for f in (*FIELDS, "offsets")})
             k += 1
         if not shards:
             raise FileNotFoundError(f"feature cache {self.folder} holds no shards")
-        return FeatureSet(shards)
+        return FeatureSet(shards, sequences)
 
 
 # ----- training sequences ------------------------------------------------------------------------
@@ -247,6 +291,14 @@ def corpus_sequences(folder, split: str, tokens: int, max_len: int):
                            "corpus_target_sha256": manifest.get("target", {}).get("sha256")}
 
 
+def cache_key(meta: dict) -> str:
+    """The cache folder's name: a digest of what fixes each sequence's features (target, layers,
+    top-k, split, source and its length cut), not of the list of sequences (`LIST_FIELDS`), so a
+    longer or shorter selection of the same corpus shares the folder and its shards."""
+    kept = {k: v for k, v in meta.items() if k not in LIST_FIELDS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
                     tokens: int, seq_len: int, topk: int, seed: int = 0,
                     corpus: Optional[str] = None, home: Optional[Path] = None) -> dict:
@@ -260,13 +312,12 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
     else:
         seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
     meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
-            "topk": topk, "split": split, **meta,
-            "fingerprint": data.sequences_fingerprint(seqs)}
-    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
-    cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / key)
-    if not cache.complete():
+            "topk": topk, "split": split, **meta}
+    meta["fingerprint"] = data.sequences_fingerprint(seqs)
+    cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / cache_key(meta))
+    if not cache.complete(meta["fingerprint"]):
         cache.build(target, seqs, trained, layer_ids, topk, meta,
                     desc=f"caching {split} features")
     print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({meta['source']}; cache {cache.folder})", file=sys.stderr)
-    return {"features": cache.load(), "meta": meta, "folder": str(cache.folder)}
+    return {"features": cache.load(len(seqs)), "meta": meta, "folder": str(cache.folder)}
