@@ -355,6 +355,55 @@ def test_data_generate_command_writes_and_resumes_a_corpus(checkpoint, tmp_path,
         cli.main(argv[:9] + ["9"] + argv[10:])
 
 
+RECIPE_FLAGS = {"dflash": ["--block-size", "4", "--blocks", "4", "--eval-blocks", "4",
+                           "--layers", "1"],
+                "eagle3": ["--window", "64", "--ttt-steps", "2"],
+                "pard": ["--window", "64", "--layers", "1", "--draft-tokens", "3"],
+                "longspark": ["--blocks", "4", "--eval-blocks", "4", "--window", "32",
+                              "--summary", "4", "--rank", "4"]}
+
+
+@pytest.mark.parametrize("drafter", sorted(RECIPE_FLAGS))
+def test_train_with_online_features_equals_training_on_the_cache(drafter, checkpoint, tmp_path,
+                                                                  monkeypatch, capsys):
+    """`--online-features` (the GPU path: target forwards per step, nothing on disk) gives the
+    very losses and held-out metrics of the cached run with the same seed."""
+    monkeypatch.setattr(data, "documents", fake_documents)
+    monkeypatch.setenv("SHARPDRAFT_HOME", str(tmp_path / "home"))
+    gen = ["data", "generate", "--out", str(tmp_path / "c"), "--tokens", "97", "--batch", "4",
+           "--max-new-tokens", "8", "--max-seq-len", "256", "--batches-per-shard", "2",
+           "--heldout-every", "2", "--threads", "1", "--target", str(checkpoint)]
+    assert cli.main(gen) == 0
+    capsys.readouterr()
+    runs = {}
+    for name, extra in (("cached", []), ("online", ["--online-features"])):
+        out = tmp_path / name
+        argv = ["train", drafter, "--out", str(out), "--corpus", str(tmp_path / "c"),
+                "--target", str(checkpoint), "--steps", "12", "--eval-every", "3",
+                "--draft-vocab", "0", "--seq-len", "128", "--threads", "1", "--device", "cpu",
+                *RECIPE_FLAGS[drafter], *extra]
+        assert cli.main(argv) == 0
+        runs[name] = json.loads((out / "training.json").read_text())
+        logs = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+        runs[name]["log"] = [r for r in logs if "loss" in r]
+    assert runs["online"]["train_data"].get("online") is True
+    assert [r["loss"] for r in runs["online"]["log"]] == [r["loss"] for r in runs["cached"]["log"]]
+    def strip(evals):
+        return [{k: v for k, v in e.items() if k != "elapsed_s"} for e in evals]
+    assert len(runs["cached"]["evals"]) >= 4 and len(runs["cached"]["log"]) == 2
+    assert strip(runs["online"]["evals"]) == strip(runs["cached"]["evals"])
+    assert not (tmp_path / "home" / "train_cache").exists() or len(list(
+        (tmp_path / "home" / "train_cache").iterdir())) == 2     # the cached run's two splits
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("command", [["train", "dflash", "--out", "x"],
+                                     ["data", "generate", "--out", "x", "--tokens", "5"]])
+def test_device_that_is_not_here_is_refused_naming_the_flag(command):
+    with pytest.raises(SystemExit, match="--device cuda"):
+        cli.main(command + ["--device", "cuda"])
+
+
 @pytest.mark.parametrize("flag, value", [("--tokens", "0"), ("--batch", "0"),
                                          ("--max-new-tokens", "0"), ("--threads", "0"),
                                          ("--batches-per-shard", "0"), ("--max-seq-len", "0"),

@@ -315,8 +315,11 @@ def cmd_data(args) -> dict:
     from . import corpus
     from .runtime import prepare_target
 
+    from .training.loop import training_device
+
+    device = training_device(args.device)
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
-    prepare_target(target)
+    prepare_target(target.to(device))
     settings = corpus.Settings(batch=args.batch, max_new_tokens=args.max_new_tokens,
                                seed=args.seed, batches_per_shard=args.batches_per_shard,
                                temperature=args.temperature, top_p=args.top_p,
@@ -455,6 +458,7 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
     dg.add_argument("--seed", type=int, default=0, help="prompt order and sampling seed")
     dg.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    dg.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda, cuda:N)")
     dg.add_argument("--target", default=None,
                     help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     dg.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target weights")
@@ -633,7 +637,9 @@ def main(argv=None) -> int:
         return 0
     if args.command == "train":
         from . import training
-        training.recipe(args.drafter).main(args)
+        from .training.loop import training_device
+        with torch.device(training_device(args.device)):   # new tensors where the data is
+            training.recipe(args.drafter).main(args)
         return 0
     report = cmd_generate(args)
     if args.json:

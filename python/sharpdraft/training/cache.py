@@ -74,10 +74,60 @@ def trained_rows(response_mask: Sequence[bool]) -> np.ndarray:
     return out
 
 
-class FeatureSet:
-    """A read-only view of a built cache: `len(fs)` sequences, `fs[s]` one of them as a dict of
-    torch tensors (`FIELDS`, each (T_s, ...)), `fs.lengths` (n,) int64, `fs.shards()` the flat
-    per-shard tensors (for corpus-wide statistics)."""
+class SequenceFeatures:
+    """What the recipes read of a training split: `len(fs)` sequences, `fs[s]` one of them as a
+    dict of tensors (`FIELDS`, each (T_s, ...)) on `fs.device`, `fs.lengths` (n,) int64, and
+    `fs.shards()`, flat groups of sequences for corpus-wide statistics. `FeatureSet` reads them
+    from a built cache, `OnlineFeatures` computes them with the target when asked."""
+
+    lengths: torch.Tensor
+    device: torch.device
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, s: int) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def trained_any(self, s: int, first_row: int) -> bool:
+        return bool(self[s]["trained"][first_row:].any())
+
+    def sampler(self, min_length: int = 2, first_row: int = 0):
+        """draw(gen) -> a random sequence (uniform over those longer than min_length tokens
+        with a trained row at or after first_row).
+
+        Raises:
+            ValueError: no sequence qualifies.
+        """
+        usable = [s for s in range(len(self)) if self.lengths[s] > min_length
+                  and self.trained_any(s, first_row)]
+        if not usable:
+            raise ValueError(f"no training sequence is longer than {min_length} tokens with a "
+                             f"trained row from position {first_row} on")
+        return lambda gen: self[usable[int(torch.randint(len(usable), (), generator=gen))]]
+
+    @property
+    def feature_width(self) -> int:
+        return int(self[0]["feats"].shape[-1])
+
+    def feature_rows(self, max_rows: int = 65536) -> torch.Tensor:
+        """Up to `max_rows` feature rows (float32), position 0 of every sequence left out (the
+        target's attention sink carries outsized activations there)."""
+        rows, n = [], 0
+        for s in range(len(self)):
+            f = self[s]["feats"][1:]
+            if f.shape[0] == 0:
+                continue
+            rows.append(f[:max_rows - n].float())
+            n += rows[-1].shape[0]
+            if n >= max_rows:
+                break
+        return torch.cat(rows)
+
+
+class FeatureSet(SequenceFeatures):
+    """A read-only view of a built cache (`SequenceFeatures`): memory-mapped shards, `shards()`
+    the flat per-shard tensors."""
 
     def __init__(self, shards: List[Dict[str, np.ndarray]], limit: Optional[int] = None):
         if not shards:
@@ -102,6 +152,12 @@ class FeatureSet:
         self.lengths = torch.tensor([int(sh["offsets"][j + 1] - sh["offsets"][j])
                                      for k, sh in enumerate(shards)
                                      for j in range(len(sh["offsets"]) - 1)], dtype=torch.long)
+        self.device = torch.device("cpu")
+
+    def to(self, device) -> "FeatureSet":
+        """Hand out every sequence's tensors on `device` from now on (the data stays on disk)."""
+        self.device = torch.device(device)
+        return self
 
     def __len__(self) -> int:
         return len(self._where)
@@ -110,41 +166,60 @@ class FeatureSet:
         k, j = self._where[s]
         sh = self._shards[k]
         a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
-        return {f: _tensor(sh[f][a:b]) for f in FIELDS}
+        return {f: _tensor(sh[f][a:b]).to(self.device) for f in FIELDS}
+
+    def trained_any(self, s: int, first_row: int) -> bool:
+        k, j = self._where[s]
+        sh = self._shards[k]
+        a, b = int(sh["offsets"][j]), int(sh["offsets"][j + 1])
+        return bool(sh["trained"][a + first_row:b].any())
 
     def shards(self) -> Iterator[Dict[str, torch.Tensor]]:
         for sh in self._shards:
             yield {f: _tensor(sh[f]) for f in FIELDS}
 
-    def sampler(self, min_length: int = 2, first_row: int = 0):
-        """draw(gen) -> a random sequence (uniform over those longer than min_length tokens
-        with a trained row at or after first_row).
 
-        Raises:
-            ValueError: no sequence qualifies.
-        """
-        usable = [s for s in range(len(self)) if self.lengths[s] > min_length
-                  and bool(self[s]["trained"][first_row:].any())]
-        if not usable:
-            raise ValueError(f"no training sequence is longer than {min_length} tokens with a "
-                             f"trained row from position {first_row} on")
-        return lambda gen: self[usable[int(torch.randint(len(usable), (), generator=gen))]]
+class OnlineFeatures(SequenceFeatures):
+    """Features computed by the target when a sequence is asked for (`compute_features`, one
+    forward per call, on the target's device): nothing is stored. For a GPU, where a target
+    forward costs less than reading a cache of millions of rows from disk (a row is about 4.7 KB
+    for four 576-wide layers). `shards()` covers the first `statistics_sequences` sequences only
+    (the draft vocabulary is then ranked on that sample)."""
 
-    @property
-    def feature_width(self) -> int:
-        return int(self._shards[0]["feats"].shape[-1])
+    def __init__(self, target, sequences: Sequence[Sequence[int]],
+                 trained: Sequence[Sequence[bool]], layer_ids: List[int], topk: int,
+                 statistics_sequences: int = 512):
+        if not sequences:
+            raise FileNotFoundError("no training sequences")
+        for seq, m in zip(sequences, trained):
+            if len(seq) != len(m):
+                raise ValueError(f"trained: {len(m)} flags for a sequence of {len(seq)} tokens")
+        self.target, self.layer_ids, self.topk = target, list(layer_ids), topk
+        self._seqs = [list(x) for x in sequences]
+        self._trained = [np.asarray(m, dtype=bool) for m in trained]
+        self.lengths = torch.tensor([len(x) for x in self._seqs], dtype=torch.long)
+        self.device = next(target.parameters()).device
+        self.statistics_sequences = statistics_sequences
 
-    def feature_rows(self, max_rows: int = 65536) -> torch.Tensor:
-        """Up to `max_rows` feature rows (float32), position 0 of every sequence left out (the
-        target's attention sink carries outsized activations there)."""
-        rows, n = [], 0
-        for s in range(len(self)):
-            f = self[s]["feats"][1:]
-            rows.append(f[:max_rows - n].float())
-            n += rows[-1].shape[0]
-            if n >= max_rows:
-                break
-        return torch.cat(rows)
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __getitem__(self, s: int) -> Dict[str, torch.Tensor]:
+        ids = torch.tensor([self._seqs[s]], dtype=torch.long, device=self.device)
+        f, p, i = compute_features(self.target, ids, self.layer_ids, self.topk)
+        return {"ids": ids[0].int(), "feats": f[0], "top_p": p[0], "top_i": i[0],
+                "trained": torch.from_numpy(self._trained[s]).to(self.device)}
+
+    def trained_any(self, s: int, first_row: int) -> bool:
+        return bool(self._trained[s][first_row:].any())
+
+    def shards(self) -> Iterator[Dict[str, torch.Tensor]]:
+        for s in range(min(len(self), self.statistics_sequences)):
+            yield {k: v.cpu() for k, v in self[s].items()}
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -220,12 +295,12 @@ class FeatureCache:
     def _write_shard(self, k, target, sequences, trained, layer_ids, topk) -> None:
         parts: Dict[str, list] = {f: [] for f in FIELDS}
         for seq, tr in zip(sequences, trained):        # one sequence per forward: bounded memory
-            ids = torch.tensor([list(seq)], dtype=torch.long)
+            ids = torch.tensor([list(seq)], dtype=torch.long, device=_device(target))
             f, p, i = compute_features(target, ids, layer_ids, topk)
             parts["ids"].append(np.asarray(seq, dtype=np.int32))
-            parts["feats"].append(f[0].numpy())
-            parts["top_p"].append(p[0].numpy())
-            parts["top_i"].append(i[0].numpy())
+            parts["feats"].append(f[0].cpu().numpy())
+            parts["top_p"].append(p[0].cpu().numpy())
+            parts["top_i"].append(i[0].cpu().numpy())
             parts["trained"].append(np.asarray(tr, dtype=bool))
         lengths = [len(s) for s in sequences]
         arrays = {f: np.concatenate(v) for f, v in parts.items()}
@@ -301,10 +376,12 @@ def cache_key(meta: dict) -> str:
 
 def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
                     tokens: int, seq_len: int, topk: int, seed: int = 0,
-                    corpus: Optional[str] = None, home: Optional[Path] = None) -> dict:
-    """Build (once) or reuse the feature cache of one split; returns {"features": FeatureSet,
-    "meta", "folder"}. The cache folder is keyed by everything that determines its content
-    (target, layers, top-k, the sequences' fingerprint), under $SHARPDRAFT_HOME/train_cache."""
+                    corpus: Optional[str] = None, home: Optional[Path] = None,
+                    online: bool = False) -> dict:
+    """Build (once) or reuse the feature cache of one split; returns {"features": FeatureSet
+    (on the target's device), "meta", "folder"}. The cache folder is keyed by what determines
+    each sequence's features (`cache_key`), under $SHARPDRAFT_HOME/train_cache. online=True
+    stores nothing: "features" is an `OnlineFeatures` and "folder" None."""
     from ..models import sharpdraft_home
 
     if corpus:
@@ -314,10 +391,16 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
     meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
             "topk": topk, "split": split, **meta}
     meta["fingerprint"] = data.sequences_fingerprint(seqs)
+    if online:
+        print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
+              f"({meta['source']}; features computed online)", file=sys.stderr)
+        return {"features": OnlineFeatures(target, seqs, trained, layer_ids, topk),
+                "meta": {**meta, "online": True}, "folder": None}
     cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / cache_key(meta))
     if not cache.complete(meta["fingerprint"]):
         cache.build(target, seqs, trained, layer_ids, topk, meta,
                     desc=f"caching {split} features")
     print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({meta['source']}; cache {cache.folder})", file=sys.stderr)
-    return {"features": cache.load(len(seqs)), "meta": meta, "folder": str(cache.folder)}
+    return {"features": cache.load(len(seqs)).to(_device(target)), "meta": meta,
+            "folder": str(cache.folder)}

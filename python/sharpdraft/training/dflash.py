@@ -104,7 +104,7 @@ def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float
     position, and tau_proxy = 1 + E[number of leading agreeing rows] (a row outside the
     sequence or not trained ends the run)."""
     b = drafter.config.block_size
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
     w = position_weights(b, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     losses, oks, valids = [], [], []

@@ -95,7 +95,7 @@ def evaluate(drafter: LongSparkDrafter, target, features, blocks: int, gamma: fl
     """Held-out loss, top-1 agreement per draft position and tau_proxy = 1 + E[leading
     agreeing drafts] over fixed anchors (an untrained row ends the run)."""
     B = drafter.config.num_drafts
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
     w = position_weights(B + 1, gamma)
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     losses, oks, valids = [], [], []

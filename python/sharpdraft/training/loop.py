@@ -30,6 +30,9 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
                    help="a self-distilled corpus folder (`sharpdraft data generate`): train on "
                         "its train split's responses (prompts as context) and evaluate on its "
                         "held-out split; default: packed raw text (`sharpdraft.data`)")
+    p.add_argument("--eval-corpus", default=None,
+                   help="evaluate on the held-out split of this corpus instead (default: "
+                        "--corpus's), e.g. to compare runs trained on different corpora")
     p.add_argument("--tokens", type=int, default=131072,
                    help="training tokens to cache (response tokens with --corpus)")
     p.add_argument("--eval-tokens", type=int, default=8192,
@@ -59,6 +62,12 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
                    help="continue from a drafter checkpoint of this kind (its geometry, draft "
                         "vocabulary and weights; the geometry options are then ignored)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--device", default="cpu",
+                   help="where the target and the drafter run (cpu, cuda, cuda:N)")
+    p.add_argument("--online-features", action="store_true",
+                   help="compute the target's features for each step's sequence instead of "
+                        "caching them on disk (for a GPU: a cache of millions of rows is tens "
+                        "of GB)")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
 
 
@@ -83,6 +92,25 @@ def check_window(args, least: int, what: str) -> None:
                          f"{args.window}")
 
 
+def training_device(name: str) -> torch.device:
+    """torch.device of --device, checked before any work.
+
+    Raises:
+        SystemExit: an unknown device, or a CUDA device this machine does not have.
+    """
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise SystemExit(f"--device {name!r}: {err}")
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise SystemExit(f"--device {name}: no such CUDA device here "
+                         f"(torch.cuda.is_available() = {torch.cuda.is_available()})")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device must be cpu or cuda[:N], got {name!r}")
+    return device
+
+
 def prepare_run(args, layer_ids: Callable) -> tuple:
     """Threads, seed, the target (float32) and the train / held-out caches of the target layers
     `layer_ids(target)`: (target, tokenizer, provenance, train, held, cache_seconds)."""
@@ -90,7 +118,9 @@ def prepare_run(args, layer_ids: Callable) -> tuple:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = training_device(args.device)
     target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    target.to(device)
     t0 = time.time()
     train, held = load_data(args, target, tokenizer, provenance, layer_ids(target))
     return target, tokenizer, provenance, train, held, time.time() - t0
@@ -103,12 +133,14 @@ def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
     subset), so one set of target forwards serves every drafter."""
     if args.seq_len < 16:
         raise SystemExit(f"--seq-len must be >= 16, got {args.seq_len}")
-    kw = dict(seq_len=args.seq_len, topk=args.topk, seed=args.seed, corpus=args.corpus)
+    kw = dict(seq_len=args.seq_len, topk=args.topk, seed=args.seed, corpus=args.corpus,
+              online=getattr(args, "online_features", False))
     try:
         train = cached_features(target, tokenizer, provenance, layer_ids, split="train",
                                 tokens=args.tokens, **kw)
         held = cached_features(target, tokenizer, provenance, layer_ids, split="heldout",
-                               tokens=args.eval_tokens, **kw)
+                               tokens=args.eval_tokens,
+                               **{**kw, "corpus": getattr(args, "eval_corpus", None) or args.corpus})
     except FileNotFoundError as err:
         raise SystemExit(f"sharpdraft train: error: --corpus: {err}")
     return train, held
@@ -153,6 +185,10 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
     `save_dtype`, plus training.json) through `save_atomically`. eval_at_start: evaluate
     (and save) before the first step too (a continued checkpoint's starting point).
 
+    Runs where the drafter's parameters are; draws come from a torch.Generator on the default
+    device (`torch.device(...)` as a context manager sets it, as `sharpdraft train --device`
+    does), so that the recipes' index tensors are made where their data is.
+
     Returns {"history", "evals", "best", "steps_done", "seconds"}.
     """
     for p in target.parameters():
@@ -162,7 +198,7 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
                               "weight_decay": weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(seed)
     history, evals, best = [], [], None
     t0 = time.time()
     if out is not None:
@@ -195,7 +231,7 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
             best = ev
             if out is not None:
                 with torch.no_grad():
-                    model = (snapshot or copy)().to(save_dtype)
+                    model = (snapshot or copy)().to("cpu", save_dtype)
                 save_atomically(model, out, {**(meta or {}), "best_eval": ev, "evals": evals})
 
     drafter.train()
