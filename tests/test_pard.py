@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters.pard import PARDDrafter, conditional_keep, parallel_draft_mask
+from sharpdraft.drafters.pard import (PARDDrafter, conditional_keep, parallel_draft_mask,
+                                     window_mask)
 from sharpdraft.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_pard, tiny_target
 from test_engine import assert_second_token_follows_target, hf_greedy
@@ -60,10 +61,12 @@ def test_conditional_keep_keeps_ancestors():
         assert abs(float(frac[j]) - 0.7 ** j) < 0.1, frac
 
 
-def test_training_forward_equals_inference(target):
+@pytest.mark.parametrize("window", [None, 5])
+def test_training_forward_equals_inference(target, window):
     """Copy j's row at p (training) gives the logits of draft j + 1 of the inference step whose
-    last real token is at p - j."""
+    last real token is at p - j, with or without a context window (both layers)."""
     drafter = tiny_pard(target, num_draft_tokens=4)
+    drafter.context_window = window
     ids = torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(4, 16, dtype=torch.bool)
     for j in range(4):
@@ -142,3 +145,70 @@ def test_rows_see_the_committed_prefix_and_earlier_rows(target, monkeypatch):
         accepted = drafts[:step] + [5]                          # step drafts, then a target token
         session.commit(accepted)
         position += len(accepted)
+
+
+def test_window_mask_by_hand():
+    # rows 3..6 (context rows 3, 4; first draft position 5), window 2
+    m = window_mask(torch.arange(3, 7), 5, 2)[0, 0]
+    want = torch.tensor([[0, 1, 1, 1, 0, 0, 0],       # p=3: keys 1..3
+                         [0, 0, 1, 1, 1, 0, 0],       # p=4: keys 2..4
+                         [0, 0, 0, 1, 1, 1, 0],       # p=5 (draft): keys 3..5
+                         [0, 0, 0, 1, 1, 1, 1]],      # p=6 (draft): keys 3..6
+                        dtype=torch.bool)
+    assert torch.equal(m, want)
+    assert window_mask(torch.arange(0, 4), 2, 2) is None          # nothing cut: plain causal
+    assert window_mask(torch.arange(3, 7), 5, None) is None
+
+
+def test_context_window_equals_a_truncated_context(target):
+    """One layer (its keys depend on the tokens only): with context_window W the drafts at
+    position P read the same as a plain session started on the last W committed tokens (RoPE
+    sees only distances), and a window wider than the context changes nothing."""
+    drafter = tiny_pard(target, num_draft_tokens=3)
+    drafter.layers = drafter.layers[:1]
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(6))
+    last, P, W = 77, 30, 9
+
+    def logits(d, prompt, position):
+        return d.start(target, prompt).propose(last, position, lambda r: int(r.argmax()))[1]
+
+    plain = logits(drafter, ids[:, -W:], W)
+    drafter.context_window = W
+    torch.testing.assert_close(logits(drafter, ids, P), plain, rtol=1e-4, atol=1e-4)
+    drafter.context_window = 40
+    wide = logits(drafter, ids, P)
+    drafter.context_window = None
+    torch.testing.assert_close(wide, logits(drafter, ids, P), rtol=0, atol=0)
+    assert not torch.allclose(plain, wide, atol=1e-3)        # the window did cut the context
+
+
+def test_context_window_bounds_n_i_and_stays_lossless(target, monkeypatch):
+    import sharpdraft.attention as attention
+    import sharpdraft_ext as ext
+    drafter = tiny_pard(target, num_draft_tokens=4)
+    drafter.context_window = 6
+    counts, real, inside = [], ext.sharp_attention, []
+    real_forward = drafter.forward
+
+    def forward(*a, **kw):                  # count the drafter's attention calls only
+        inside.append(True)
+        try:
+            return real_forward(*a, **kw)
+        finally:
+            inside.pop()
+
+    def attn(q, kk, v, **kw):
+        if inside:
+            counts.append(ext.visible_counts(q, kk, causal=kw.get("causal", False),
+                                             attn_mask=kw.get("attn_mask"))[0, 0])
+        return real(q, kk, v, **kw)
+
+    monkeypatch.setattr(drafter, "forward", forward)
+    monkeypatch.setattr(attention.ext, "sharp_attention", attn)
+    prompt = torch.randint(3, 256, (1, 25), generator=torch.Generator().manual_seed(8))
+    ref = hf_greedy(target, prompt, 20)
+    assert speculative_generate(target, drafter, prompt, 20).tokens == ref
+    # W context keys plus at most the step's 4 own rows (3 drafts after `last`), itself included
+    assert counts and all(int(n.max()) <= 6 + 4 for n in counts)
+    assert all(int(n.min()) >= 1 for n in counts)
+    assert any(int(n.max()) == 6 + 4 for n in counts)

@@ -384,7 +384,7 @@ def _common(g: argparse.ArgumentParser) -> None:
                         "probability is below this (0: all of them; lossless either way)")
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
-                        "EAGLE-3; default: all of them)")
+                        "EAGLE-3, PARD; default: all of them)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                    help="target (and drafter) weights; auto: bfloat16 only where a measurement "

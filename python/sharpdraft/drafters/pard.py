@@ -77,12 +77,14 @@ class PARDConfig:
         return cfg
 
 
-def parallel_draft_mask(keep: torch.Tensor) -> torch.Tensor:
+def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """Training attention mask of the multi-copy parallel-drafting objective.
 
     Args:
         keep: (C, T) bool; keep[j, p] says whether copy j's row at position p is in the batch
             (copy 0 should keep every position; copy j's row at p needs copy j - 1's row at p - 1).
+        window: None, or the context window W of inference (`PARDDrafter.context_window`): the
+            row (j, p) then sees (0, q) only for q >= p - j - W (`window_mask`'s rule).
 
     Returns:
         (R, R) bool, True = visible, over the kept rows in copy-major order (R = keep.sum()): the
@@ -96,8 +98,22 @@ def parallel_draft_mask(keep: torch.Tensor) -> torch.Tensor:
     jq, pq = copy[:, None], pos[:, None]
     jk, pk = copy[None, :], pos[None, :]
     real = (jk == 0) & (pk <= pq - jq)
+    if window is not None:
+        real &= pk >= pq - jq - window
     ancestor = (jk >= 1) & (jk <= jq) & (pk == pq - jq + jk)
     return real | ancestor
+
+
+def window_mask(rows: torch.Tensor, first_draft: int,
+                window: Optional[int]) -> Optional[torch.Tensor]:
+    """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
+    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window.
+    None when window is None or no row would lose a key (plain bottom-right causal)."""
+    if window is None or min(int(rows[-1]), first_draft) - window <= 0:
+        return None
+    keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
+    start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
+    return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
 
 
 def conditional_keep(num_copies: int, T: int, rate: float, gen: torch.Generator) -> torch.Tensor:
@@ -116,7 +132,12 @@ def conditional_keep(num_copies: int, T: int, rate: float, gen: torch.Generator)
 class PARDDrafter(Drafter):
     """The PARD drafter (see the module docstring). Build with `PARDDrafter(config)`; start it
     from a target with `init_from_target`. `sharp` selects the attention scaling (default: frozen,
-    n_ref = config.train_context)."""
+    n_ref = config.train_context). `context_window` (None or W >= 1): at inference a row at
+    position p sees the keys at positions >= min(p, P) - W, P the step's first draft position:
+    the draft rows see the last W context keys plus the step's own rows, a context row (prefill,
+    accepted tokens) a sliding window of W keys before it, so none sees nothing."""
+
+    supports_context_window = True
 
     config_class = PARDConfig
     needs_hidden_states = False
@@ -178,7 +199,7 @@ class PARDDrafter(Drafter):
         rows_ids = ids[None, :].expand(C, T)[keep]
         is_mask = (torch.arange(C, device=ids.device)[:, None].expand(C, T) > 0)[keep]
         pos = torch.arange(T, device=ids.device)[None, :].expand(C, T)[keep]
-        mask = parallel_draft_mask(keep)[None, None]
+        mask = parallel_draft_mask(keep, self.context_window)[None, None]
         h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
         return self.head(target, h[0])
 
@@ -213,7 +234,9 @@ class PARDSession:
         ids = torch.tensor([real + [-1] * (k - 1)], device=dev)
         is_mask = torch.arange(ids.shape[1], device=dev)[None] >= len(real)
         pos = torch.arange(cached, cached + ids.shape[1], device=dev)[None]
-        h = self.drafter(self.drafter.embed(self.target, ids, is_mask), pos, cache=self.cache)
+        h = self.drafter(self.drafter.embed(self.target, ids, is_mask), pos,
+                         attn_mask=window_mask(pos[0], position, self.drafter.context_window),
+                         cache=self.cache)
         crop_to(self.cache, position + 1)      # drop the mask rows' keys/values
         self.last = last
         logits = self.drafter.head(self.target, h[0, len(real) - 1:])
