@@ -138,20 +138,23 @@ def test_draft_tree_is_ancestor_closed_and_sized(target):
     assert torch.equal(mask.sum(-1), torch.tensor(tree.depths))
 
 
-def test_ttt_forward_matches_chain_inference(target):
+@pytest.mark.parametrize("skip", [False, True], ids=["positions", "skipped-positions"])
+def test_ttt_forward_matches_chain_inference(target, skip):
     """Depth d of the training-time-test forward at row t equals the d-th chain draft after the
-    committed prefix t + 1 when the drafts are the true tokens."""
+    committed prefix t + 1 when the drafts are the true tokens, with the rows at positions
+    0 .. T - 1 or at position ids that skip forward (position-robust training)."""
     drafter = tiny_eagle3(target)
     ids = prompt_of(14, 7)[0]
+    positions = torch.arange(14) + 300 * (torch.arange(14) >= 4) if skip else torch.arange(14)
     with torch.no_grad():
         feats = drafter.context_features(target(ids[None], output_hidden_states=True)
                                          .hidden_states)[0]
-        ttt = drafter.ttt_logits(target, feats, ids, 3)
+        ttt = drafter.ttt_logits(target, feats, ids, 3, positions if skip else None)
     emb = target.get_input_embeddings()
     for t in (0, 5, 9):
         with torch.no_grad():
             cache = e3.DynamicCache()
-            pos = torch.arange(t + 1)[None]
+            pos = positions[None, :t + 1]
             normed, hidden = drafter.step(emb(ids[None, 1:t + 2]), drafter.fuse(feats[None, :t + 1]),
                                           pos, cache)
             normed, hidden = normed[:, -1:], hidden[:, -1:]
@@ -159,7 +162,11 @@ def test_ttt_forward_matches_chain_inference(target):
                 got = drafter.head(target, normed[0, 0])
                 torch.testing.assert_close(got, ttt[d][t], rtol=1e-4, atol=1e-4)
                 normed, hidden = drafter.step(emb(ids[None, t + 2 + d:t + 3 + d]), hidden,
-                                              torch.tensor([[t + 1 + d]]), cache)
+                                              positions[t:t + 1][None] + 1 + d, cache)
+    if skip:                  # the skip changed the distances the rows past it see
+        plain = drafter.ttt_logits(target, feats, ids, 3)
+        assert not torch.allclose(plain[0][9], ttt[0][9], atol=1e-3)
+        torch.testing.assert_close(plain[0][:4], ttt[0][:4], rtol=1e-4, atol=1e-4)
 
 
 def test_runs_past_its_training_length(target):

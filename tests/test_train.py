@@ -406,14 +406,14 @@ def test_skipped_positions_keep_the_keys_and_stretch_the_distances():
     g = torch.Generator().manual_seed(0)
     spans = []
     for _ in range(50):
-        p = td.skipped_positions(64, 1000, g)
+        p = loop.skipped_positions(64, 1000, g)
         d = p[1:] - p[:-1]
         assert p[0] == 0 and bool((d >= 1).all()) and int((d > 1).sum()) <= 1
         assert int(p[-1]) <= 999
         spans.append(int(p[-1]))
     assert max(spans) > 500                          # distances far beyond 64 are trained
     with pytest.raises(ValueError, match="max_position"):
-        td.skipped_positions(64, 63, g)
+        loop.skipped_positions(64, 63, g)
 
 
 def test_block_logits_positions_obey_rope_relative_invariance(setup):
@@ -448,6 +448,22 @@ def test_dflash_position_skip_steps_train(setup):
     with pytest.raises(ValueError, match="max_position"):
         td.make_loss(drafter, target, train_c.load(), blocks=4, gamma=7.0, scale=None,
                      position_skip=0.5)
+
+
+def test_eagle3_position_skip_steps_train(setup):
+    from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    target, _, layer_ids, (train_c, _), _ = setup
+    drafter = Eagle3Drafter(Eagle3Config.from_target(target.config,
+                                                     target_layer_ids=[layer_ids[1]]))
+    cols = te.fused_columns(layer_ids, [layer_ids[1]], target.config.hidden_size)
+    fn = te.make_loss(drafter, target, train_c.load(), cols, 48, 2, 0.8, position_skip=1.0,
+                      max_position=400)
+    loss, extra = fn(torch.Generator().manual_seed(0), 0.5)
+    assert extra["skipped"] and torch.isfinite(loss)
+    loss.backward()
+    assert drafter.fc.weight.grad is not None
+    with pytest.raises(ValueError, match="max_position"):
+        te.make_loss(drafter, target, train_c.load(), cols, 48, 2, 0.8, position_skip=0.5)
 
 
 def test_init_from_checkpoint_continues_the_saved_drafter(tmp_path):

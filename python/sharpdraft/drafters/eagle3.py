@@ -182,13 +182,15 @@ class Eagle3Drafter(Drafter):
 
     # ----- training -----------------------------------------------------------------------------
     def ttt_logits(self, target, features: torch.Tensor, ids: torch.Tensor,
-                   steps: int) -> List[torch.Tensor]:
+                   steps: int, positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Training-time test over one sequence: logits of `steps` drafting depths.
 
         Args:
             features: (T, n * Ht) target features at positions 0 .. T - 1 (raw; fused here).
             ids: (T,) int64 token ids of the same positions.
             steps: drafting depths simulated (>= 1).
+            positions: (T,) increasing RoPE position ids of the rows (None: 0 .. T - 1); depth
+                d of row t sits at positions[t] + d, as its chain draft would.
 
         Returns:
             list over d = 0 .. steps - 1 of (T - 1 - d, V) float32 logits over the draft
@@ -200,7 +202,8 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"steps must lie in [1, {T - 1}], got {steps}")
         emb = target.get_input_embeddings()
         rows = T - 1                                     # row t needs x_{t+1}
-        pos = torch.arange(rows, device=ids.device)[None]
+        pos = (torch.arange(rows, device=ids.device) if positions is None
+               else positions[:rows].to(ids.device))[None]
         hidden = self.fuse(features[None, :rows])
         keys, values, out = [], [], []
         for d in range(steps):

@@ -31,8 +31,8 @@ from ..drafters.dflash import (DFlashConfig, DFlashDrafter, default_mask_token_i
                               evenly_spaced_layers)
 from .losses import (agreement_metrics, distill_loss, draft_vocabulary, feature_scale,
                      position_weights, target_to_draft)
-from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
-                   run_meta)
+from .loop import (add_common_arguments, add_position_skip_arguments, finish, fit,
+                   init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
 
 def sample_anchors(trained: torch.Tensor, n: int, gen: torch.Generator,
@@ -61,23 +61,6 @@ def block_batch(seq: dict, anchors: torch.Tensor, block_size: int, mask_id: int)
     inside = rows < T
     rows = rows.clamp(max=T - 1)
     return block, rows, inside & trained[rows]
-
-
-def skipped_positions(T: int, max_position: int, gen: torch.Generator) -> torch.Tensor:
-    """(T,) increasing position ids with one forward skip (PoSE-style): rows from a random
-    split point c in [1, T) on are shifted by a random gap in [0, max_position - T], so a
-    T-token sequence shows relative distances up to max_position - 1 while holding T keys (RoPE
-    sees only differences, so the shift of a whole sequence changes nothing).
-
-    Raises:
-        ValueError: max_position < T.
-    """
-    if max_position < T:
-        raise ValueError(f"max_position {max_position} < sequence length {T}")
-    c = 1 + int(torch.randint(max(1, T - 1), (), generator=gen))
-    gap = int(torch.randint(max_position - T + 1, (), generator=gen))
-    pos = torch.arange(T)
-    return pos + gap * (pos >= c)
 
 
 def block_step(drafter: DFlashDrafter, target, seq: dict, anchors: torch.Tensor,
@@ -201,13 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
     p.add_argument("--min-context", type=int, default=32)
-    p.add_argument("--position-skip", type=float, default=0.0,
-                   help="position-robust training: the share of steps whose context positions "
-                        "skip forward (one random gap, PoSE-style) so that distances up to "
-                        "--max-position are trained with --seq-len keys (0 = off)")
-    p.add_argument("--max-position", type=int, default=None,
-                   help="largest position id of --position-skip (default: the target's "
-                        "max_position_embeddings)")
+    add_position_skip_arguments(p)
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -14,6 +14,8 @@ Recipe:
    the sequence's trained rows: ``--ttt-steps`` drafting depths, depth d feeding each row its
    own depth d - 1 output and the token d places further; soft cross-entropy against the
    target's renormalised top-k distribution on trained rows, weighted by ``--depth-decay`` ** d.
+   ``--position-skip P``: a share P of the windows get skipped position ids (one random forward
+   gap, PoSE-style), so distances up to the target's context are trained with short windows.
 4. Every ``--eval-every`` steps: held-out top-1 agreement per depth and the chain acceptance
    proxy tau ~ 1 + E[leading agreeing depths] over ``chain_length`` depths, on the last
    ``window`` tokens of every held-out sequence; the best checkpoint is kept.
@@ -23,14 +25,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
-from .loop import (add_common_arguments, check_window, finish, fit, init_from_checkpoint,
-                   prepare_run, run_meta)
+from .loop import (add_common_arguments, add_position_skip_arguments, check_window, finish, fit,
+                   init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
 
 def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
@@ -52,15 +55,16 @@ def window_start(trained: torch.Tensor, window: int, gen=None) -> int:
 
 
 def depth_losses(drafter: Eagle3Drafter, target, seq: dict, off: int, window: int, steps: int,
-                 cols: torch.Tensor, t2d):
+                 cols: torch.Tensor, t2d, positions: Optional[torch.Tensor] = None):
     """Per depth d: (soft cross-entropy (n_d,), valid (n_d,) bool, logits (n_d, V), target
-    top-1 ids (n_d,)) of one window of one sequence."""
+    top-1 ids (n_d,)) of one window of one sequence (RoPE positions of the window's rows
+    `positions`, None: 0 .. window - 1)."""
     sl = slice(off, off + window)
     ids = seq["ids"][sl].long()
     feats = seq["feats"][sl][:, cols].float()
     top_p, top_i, trained = seq["top_p"][sl], seq["top_i"][sl].long(), seq["trained"][sl]
     out = []
-    for d, lg in enumerate(drafter.ttt_logits(target, feats, ids, steps)):
+    for d, lg in enumerate(drafter.ttt_logits(target, feats, ids, steps, positions)):
         rows = slice(1 + d, 1 + d + lg.shape[0])   # the target's distribution at t + d + 1
         ti = top_i[rows]
         ce = soft_cross_entropy(lg, top_p[rows], ti if t2d is None else t2d[ti])
@@ -111,10 +115,14 @@ def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, windo
 
 
 def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, window: int,
-              ttt_steps: int, depth_decay: float):
+              ttt_steps: int, depth_decay: float, position_skip: float = 0.0,
+              max_position: Optional[int] = None):
     """loss_fn(gen, frac) for `loop.fit`: training-time test over a random window of a random
     training sequence, per-depth mean soft cross-entropy on trained rows, weighted by
-    depth_decay ** d."""
+    depth_decay ** d; with probability `position_skip` the window's positions skip forward
+    (`loop.skipped_positions` up to `max_position`, position-robust training)."""
+    if position_skip > 0 and max_position is None:
+        raise ValueError("position_skip needs max_position")
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     w = torch.tensor([depth_decay ** d for d in range(ttt_steps)])
     draw = features.sampler(min_length=ttt_steps + 1)
@@ -123,11 +131,14 @@ def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, wind
         seq = draw(gen)
         W = min(window, seq["ids"].shape[0])
         off = window_start(seq["trained"], W, gen)
-        per = depth_losses(drafter, target, seq, off, W, ttt_steps, cols, t2d)
+        positions = None
+        if position_skip > 0 and float(torch.rand((), generator=gen)) < position_skip:
+            positions = skipped_positions(W, max_position - ttt_steps, gen)
+        per = depth_losses(drafter, target, seq, off, W, ttt_steps, cols, t2d, positions)
         per_depth = torch.stack([masked_mean(ce, v) for ce, v, _, _ in per])
         return (per_depth * w).sum() / w.sum(), {
             "per_depth": [round(float(x), 3) for x in per_depth.detach()],
-            "rows": int(per[0][1].sum())}
+            "rows": int(per[0][1].sum()), "skipped": positions is not None}
     return loss_fn
 
 
@@ -139,6 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafting depths simulated per step (training-time test)")
     p.add_argument("--depth-decay", type=float, default=0.8, help="loss weight ratio per depth")
     p.add_argument("--chain-length", type=int, default=5, help="drafts per step (chain mode)")
+    add_position_skip_arguments(p)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -168,7 +180,8 @@ def main(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             drafter.feature_scale.copy_(feature_scale(tr.feature_rows()[:, cols]))
     loss_fn = make_loss(drafter, target, tr, cols, args.window, args.ttt_steps,
-                        args.depth_decay)
+                        args.depth_decay, position_skip=args.position_skip,
+                        max_position=args.max_position or target.config.max_position_embeddings)
     out = Path(args.out)
     meta = {**run_meta(args, provenance, drafter, None, train, held), "init_from": init}
     print(f"sharpdraft train eagle3: {meta['drafter_params'] / 1e6:.2f}M parameters, fused "

@@ -71,6 +71,34 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
 
 
+def add_position_skip_arguments(p: argparse.ArgumentParser) -> None:
+    """--position-skip / --max-position, for recipes with position-robust training."""
+    p.add_argument("--position-skip", type=float, default=0.0,
+                   help="position-robust training: the share of steps whose context positions "
+                        "skip forward (one random gap, PoSE-style) so that distances up to "
+                        "--max-position are trained with --seq-len keys (0 = off)")
+    p.add_argument("--max-position", type=int, default=None,
+                   help="largest position id of --position-skip (default: the target's "
+                        "max_position_embeddings)")
+
+
+def skipped_positions(T: int, max_position: int, gen: torch.Generator) -> torch.Tensor:
+    """(T,) increasing position ids with one forward skip (PoSE-style): rows from a random
+    split point c in [1, T) on are shifted by a random gap in [0, max_position - T], so a
+    T-token sequence shows relative distances up to max_position - 1 while holding T keys (RoPE
+    sees only differences, so the shift of a whole sequence changes nothing).
+
+    Raises:
+        ValueError: max_position < T.
+    """
+    if max_position < T:
+        raise ValueError(f"max_position {max_position} < sequence length {T}")
+    c = 1 + int(torch.randint(max(1, T - 1), (), generator=gen))
+    gap = int(torch.randint(max_position - T + 1, (), generator=gen))
+    pos = torch.arange(T)
+    return pos + gap * (pos >= c)
+
+
 def init_from_checkpoint(cls, folder, target) -> tuple:
     """(drafter, provenance) of `--init-from`: the checkpoint loaded (checked against the
     target) in training mode, and what its training.json says of how it was made."""
