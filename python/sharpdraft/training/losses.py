@@ -83,8 +83,9 @@ def agreement_metrics(losses, oks, valids) -> dict:
 def copy_losses(ce: torch.Tensor, copy: torch.Tensor, num_copies: int) -> torch.Tensor:
     """(C,) mean of the per-row losses `ce` (R,) of each copy (`copy` (R,) int64); NaN where a
     copy has no rows (PARD)."""
-    total = torch.zeros(num_copies, dtype=ce.dtype).index_add(0, copy, ce)
-    count = torch.zeros(num_copies, dtype=ce.dtype).index_add(0, copy, torch.ones_like(ce))
+    total = torch.zeros(num_copies, dtype=ce.dtype, device=ce.device).index_add(0, copy, ce)
+    count = torch.zeros(num_copies, dtype=ce.dtype, device=ce.device).index_add(
+        0, copy, torch.ones_like(ce))
     return total / count
 
 
@@ -100,8 +101,9 @@ def draft_vocabulary(features, size: int, vocab_size: int) -> torch.Tensor:
     if not 2 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary size must lie in [2, {vocab_size}], got {size}")
     shards = features.shards() if hasattr(features, "shards") else features
-    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    counts = torch.zeros(vocab_size, dtype=torch.float64, device="cpu")
     for sh in shards:
+        sh = {k: v.cpu() for k, v in sh.items()}
         top_i = sh["top_i"].long()
         counts += (torch.bincount(sh["ids"].flatten().long(), minlength=vocab_size).double()
                    + torch.bincount(top_i[..., 0].flatten(), minlength=vocab_size)
