@@ -169,6 +169,31 @@ def test_ttt_forward_matches_chain_inference(target, skip):
         torch.testing.assert_close(plain[0][:4], ttt[0][:4], rtol=1e-4, atol=1e-4)
 
 
+def test_ttt_forward_with_a_context_window_matches_the_windowed_session(target):
+    """With context_window W the training-time test's depth d at row t equals the session's
+    d-th chain draft after the committed prefix t + 1 (the drafts being the true tokens), and
+    the window changes those logits once the context is longer than W."""
+    drafter = tiny_eagle3(target, chain_length=3)
+    ids = prompt_of(16, 9)[0]
+    with torch.no_grad():
+        hs = target(ids[None], output_hidden_states=True).hidden_states
+        feats = drafter.context_features(hs)[0]
+        plain = drafter.ttt_logits(target, feats, ids, 3)
+        drafter.context_window = 4
+        ttt = drafter.ttt_logits(target, feats, ids, 3)
+    for t in (2, 8, 11):
+        with torch.no_grad():
+            prefix = target(ids[None, :t + 1], output_hidden_states=True).hidden_states
+            session = drafter.start(target, ids[None, :t + 1], prefix)
+            truth = iter(ids[t + 2:t + 5].tolist())
+            _, logits = session.propose(int(ids[t + 1]), t + 1, lambda row: next(truth))
+        for d in range(3):
+            torch.testing.assert_close(logits[d], drafter.to_target_vocab(target, ttt[d][t:t + 1])[0],
+                                       rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ttt[0][:5], plain[0][:5], rtol=1e-5, atol=1e-5)   # t <= W
+    assert not torch.allclose(ttt[0][11], plain[0][11], atol=1e-3)
+
+
 def test_runs_past_its_training_length(target):
     """No position table: a drafter trained at 16 tokens drafts at 300+ tokens (longer than its
     training context and than its config's max_position_embeddings), still lossless, and its

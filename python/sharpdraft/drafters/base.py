@@ -129,6 +129,18 @@ def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int 
             None if attn_mask is None else attn_mask[..., -keep:])
 
 
+def window_mask(rows: torch.Tensor, first_draft: int,
+                window: Optional[int]) -> Optional[torch.Tensor]:
+    """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
+    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window.
+    None when window is None or no row would lose a key (plain bottom-right causal)."""
+    if window is None or min(int(rows[-1]), first_draft) - window <= 0:
+        return None
+    keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
+    start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
+    return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
+
+
 def state_bytes(*parts) -> int:
     """Bytes held by tensors, transformers caches (their layers' keys and values) and lists of
     them: what a session's `state_bytes` reports."""

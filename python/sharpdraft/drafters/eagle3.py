@@ -36,7 +36,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
-                   last_keys, llama_config, state_bytes, target_geometry)
+                   last_keys, llama_config, state_bytes, target_geometry, window_mask)
 
 
 @dataclass
@@ -109,8 +109,10 @@ class Eagle3Attention(HeadProjections):
 class Eagle3Drafter(Drafter):
     """The EAGLE-3 drafter (see the module docstring). `sharp` selects the attention scaling
     (default: frozen, n_ref = config.train_context). `context_window` (None or W >= 1): at
-    inference a row attends to the last W cached positions before the step plus the step's own
-    rows (chain and tree)."""
+    inference a chain row (context or draft) sees the W keys before it and itself, a sliding
+    window (`base.window_mask` for the context rows of a call, the last W + 1 cached keys for
+    a draft); a tree row the last W cached keys plus the tree rows it may see. `ttt_logits`
+    applies the chain rule (exact while W >= the depth)."""
 
     config_class = Eagle3Config
     drafts_trees = True
@@ -215,6 +217,8 @@ class Eagle3Drafter(Drafter):
             # visible: step-0 keys at index <= t, then this row's own step 1 .. d keys
             t = torch.arange(n, device=ids.device)
             vis0 = t[None, :] <= t[:, None]
+            if self.context_window is not None:   # as chain inference: context >= t + d - W
+                vis0 &= t[None, :] >= t[:, None] + d - self.context_window
             diag = torch.eye(n, dtype=torch.bool, device=ids.device)
             mask = torch.cat([vis0] + [diag] * d, dim=1)
             kk = torch.cat([kd[:, :, :n] for kd in keys], dim=2)
@@ -294,8 +298,11 @@ class Eagle3Session:
         dev = self.pending.device
         ids = torch.tensor([self.tokens[c + 1:position] + [last]], device=dev)
         pos = torch.arange(c, position, device=dev)[None]
+        # rows c .. P - 1 are context rows: each sees a sliding window of W keys before it (the
+        # prefill's last row too), not the W cached keys plus every row of the call
         normed, hidden = self.drafter.step(self.emb(ids), self.drafter.fuse(self.pending), pos,
-                                           self.cache)
+                                           self.cache,
+                                           window_mask(pos[0], position, self.drafter.context_window))
         self.pending = self.pending[:, :0]
         self.last = last
         return normed[:, -1:], hidden[:, -1:]

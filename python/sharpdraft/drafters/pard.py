@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 
 from ..attention import SharpConfig, register
 from .base import (Drafter, check_config, crop_to, draw_rows, llama_config, state_bytes,
-                   target_geometry)
+                   target_geometry, window_mask)
 
 
 @dataclass
@@ -104,18 +104,6 @@ def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None) -> tor
     return real | ancestor
 
 
-def window_mask(rows: torch.Tensor, first_draft: int,
-                window: Optional[int]) -> Optional[torch.Tensor]:
-    """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
-    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window.
-    None when window is None or no row would lose a key (plain bottom-right causal)."""
-    if window is None or min(int(rows[-1]), first_draft) - window <= 0:
-        return None
-    keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
-    start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
-    return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
-
-
 def conditional_keep(num_copies: int, T: int, rate: float, gen: torch.Generator) -> torch.Tensor:
     """(C, T) bool rows kept by conditional token drop: copy 0 keeps all; copy j keeps row p with
     probability `rate` if copy j - 1 kept row p - 1 (so every kept row's ancestors are kept and
@@ -135,7 +123,8 @@ class PARDDrafter(Drafter):
     n_ref = config.train_context). `context_window` (None or W >= 1): at inference a row at
     position p sees the keys at positions >= min(p, P) - W, P the step's first draft position:
     the draft rows see the last W context keys plus the step's own rows, a context row (prefill,
-    accepted tokens) a sliding window of W keys before it, so none sees nothing."""
+    accepted tokens) a sliding window of W keys before it, so none sees nothing
+    (`base.window_mask`)."""
 
     supports_context_window = True
 
