@@ -63,9 +63,6 @@ def _(drafter: DFlashDrafter, target, seq, anchors):
 
 @anchor_leads.register
 def _(drafter: Eagle3Drafter, target, seq, anchors):
-    if drafter.context_window is not None:
-        raise ValueError("context_window: EAGLE-3's teacher-forced drafting (ttt_logits) has no "
-                         "context window; measure it with `sharpdraft bench` instead")
     K = drafter.config.chain_length
     end = min(seq["ids"].shape[0], int(anchors.max()) + K + 2)
     logits = drafter.ttt_logits(target, _features(drafter, seq)[:end], seq["ids"][:end].long(), K)
