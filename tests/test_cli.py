@@ -85,7 +85,7 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     (["bench", "--lengths", "1024", "0"], "--lengths"),
     (["bench", "--maths", "-1"], "--maths"),
     (["generate", "--context-window", "0"], "--context-window"),
-    (["generate", "--drafter", "pard", "--context-window", "64"], "--context-window"),
+    (["generate", "--drafter", "longspark", "--context-window", "64"], "--context-window"),
 ])
 def test_bad_options_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:        # before any model is loaded

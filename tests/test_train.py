@@ -321,9 +321,7 @@ def test_recipe_losses_read_only_trained_rows(setup):
     target, _, layer_ids, (train_c, _), _ = setup
     fs = train_c.load()
 
-    class Only:               # sequence 2 alone (a conversation: rows < 29 untrained)
-        sampler = tc.FeatureSet.sampler
-
+    class Only(tc.SequenceFeatures):   # sequence 2 alone (a conversation: rows < 29 untrained)
         def __init__(self, top_p=None):
             self.lengths, self.seq = fs.lengths[2:3], dict(fs[2])
             if top_p is not None:

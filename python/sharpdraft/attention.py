@@ -103,14 +103,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharp: SharpConfig
            **kwargs) -> torch.Tensor:
     """`sharpdraft_ext.sharp_attention(q, k, v, **kwargs, **sharp.kernel_kwargs(layer))`; when
     training (autograd on and q requires grad) the differentiable reference computes the same
-    maths without upcasting, since the fused kernel has no backward.
+    maths without upcasting, since the fused kernel has no backward; so it does for float32
+    CUDA tensors (a drafter trained in float32 on a GPU, evaluated), since the CUDA kernel
+    runs bfloat16 and float16 only.
 
     layer: the drafter layer index (selects its calibrated slope); module: the calling
     attention module (what `observe` callbacks see, to tell layers and models apart)."""
     skw = sharp.kernel_kwargs(layer)
     for callback in _OBSERVERS:
         callback(module, layer, q, k, kwargs, skw)
-    if torch.is_grad_enabled() and q.requires_grad:
+    if (torch.is_grad_enabled() and q.requires_grad) or (q.is_cuda and q.dtype == torch.float32):
         return ext.reference.sharp_attention_ref(q, k, v, upcast=False, **kwargs, **skw)
     return ext.sharp_attention(q, k, v, **kwargs, **skw)
 

@@ -314,10 +314,12 @@ def cmd_data(args) -> dict:
     the measured response tokens/s, the manifest's path."""
     from . import corpus
     from .runtime import prepare_target
-
     from .training.loop import training_device
 
     device = training_device(args.device)
+    if device.type == "cuda" and args.dtype == "float32":
+        raise SystemExit("sharpdraft data generate: error: --device cuda needs --dtype bfloat16 "
+                         "or float16 (the CUDA kernel's dtypes)")
     target, tokenizer, provenance = load_target(args.target, dtype=DTYPES[args.dtype])
     prepare_target(target.to(device))
     settings = corpus.Settings(batch=args.batch, max_new_tokens=args.max_new_tokens,

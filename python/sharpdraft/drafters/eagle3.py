@@ -300,9 +300,9 @@ class Eagle3Session:
         pos = torch.arange(c, position, device=dev)[None]
         # rows c .. P - 1 are context rows: each sees a sliding window of W keys before it (the
         # prefill's last row too), not the W cached keys plus every row of the call
+        mask = window_mask(pos[0], position, self.drafter.context_window)
         normed, hidden = self.drafter.step(self.emb(ids), self.drafter.fuse(self.pending), pos,
-                                           self.cache,
-                                           window_mask(pos[0], position, self.drafter.context_window))
+                                           self.cache, mask)
         self.pending = self.pending[:, :0]
         self.last = last
         return normed[:, -1:], hidden[:, -1:]

@@ -168,7 +168,8 @@ def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
                                 tokens=args.tokens, **kw)
         held = cached_features(target, tokenizer, provenance, layer_ids, split="heldout",
                                tokens=args.eval_tokens,
-                               **{**kw, "corpus": getattr(args, "eval_corpus", None) or args.corpus})
+                               **{**kw, "corpus": getattr(args, "eval_corpus", None)
+                                  or args.corpus})
     except FileNotFoundError as err:
         raise SystemExit(f"sharpdraft train: error: --corpus: {err}")
     return train, held
