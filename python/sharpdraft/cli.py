@@ -16,7 +16,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
     sharpdraft train eagle3 --corpus corpus --out my-eagle --max-minutes 12 --threads 2
 
-    sharpdraft data generate --out corpus --tokens 1000000 --batch 64 --threads 2   # resumable
+    sharpdraft data generate --out corpus --tokens 1000000 --batch 16 --threads 2   # resumable
 
     sharpdraft analyze mass --drafter dflash --out analysis/mass      # dilution by context
     sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
@@ -454,7 +454,7 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--out", required=True, help="corpus folder (an existing one is resumed)")
     dg.add_argument("--tokens", type=int, required=True,
                     help="stop once the train split holds this many response tokens")
-    dg.add_argument("--batch", type=int, default=64,
+    dg.add_argument("--batch", type=int, default=16,
                     help="prompts per generate call (may change when resuming: each shard "
                          "records its own)")
     dg.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
