@@ -292,3 +292,20 @@ def test_bootstrap_diff_brackets_the_difference():
     y = torch.tensor([1.0, 2.0, 1.0, 2.0] * 10)
     d, lo, hi = bootstrap_diff(x, y)
     assert d == pytest.approx(2.5) and lo < 2.5 < hi and hi - lo < 1.0
+
+
+def test_bucket_table_by_hand():
+    """One row per scaling in first-seen order, one column per sorted bucket; a missing
+    (scaling, bucket) pair is an empty cell and ``skip`` drops a scaling."""
+    from sharpdraft.analysis.sweep import bucket_table, delta_table
+
+    rows = [{"scaling": "sharp", "bucket": [2048, 4096], "v": 2.5, "delta_vs_frozen": 0.25,
+             "delta_ci95": [-0.5, 1.0]},
+            {"scaling": "frozen", "bucket": [1024, 2048], "v": 1.0},
+            {"scaling": "frozen", "bucket": [2048, 4096], "v": 2.0}]
+    assert bucket_table(rows, "s", lambda c: f"{c['v']:.1f}") == [
+        "| s | 1024-2048 | 2048-4096 |", "|---|---:|---:|",
+        "| sharp |  | 2.5 |", "| frozen | 1.0 | 2.0 |"]
+    assert bucket_table(rows, "s", lambda c: "x", skip=("sharp",))[2:] == ["| frozen | x | x |"]
+    assert delta_table(rows) == ["", "| scaling - frozen | 1024-2048 | 2048-4096 |",
+                                 "|---|---:|---:|", "| sharp |  | +0.250 [-0.50, +1.00] |"]

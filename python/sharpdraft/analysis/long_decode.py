@@ -27,7 +27,7 @@ from tqdm import tqdm
 from .. import data
 from ..attention import SharpConfig
 from ..engine import speculative_generate
-from .sweep import bootstrap_ci, delta_table, plot, scalings
+from .sweep import bootstrap_ci, bucket_table, delta_table, plot, scalings
 
 TASKS = {
     "diary": "Write the diary of a shepherd in the hills for thirty days, one entry per day, "
@@ -127,21 +127,13 @@ def run(target, tokenizer, drafter, prompts: List[dict], *, drafter_name: str,
 
 
 def markdown(rows: List[dict], meta: dict) -> str:
-    buckets = sorted({tuple(r["bucket"]) for r in rows})
-    get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
-    names = list(dict.fromkeys(r["scaling"] for r in rows))
     lens = ", ".join(f"{k} {v}" for k, v in meta["output_tokens"].items())
-    lines = [f"Real greedy decoding with the {meta['drafter']} drafter: tau by output length "
-             f"(tokens generated before each verification step, buckets of {meta['bucket']}), "
-             f"up to {meta['max_new_tokens']} new tokens, n_ref {meta['n_ref']}; prompts "
-             f"(output tokens): {lens}. Same text under every scaling: "
-             f"{meta['same_text_under_every_scaling']}. Each cell: tau [95% bootstrap over the "
-             "steps] (steps); below, the difference from frozen.", "",
-             "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
-             "|---|" + "---:|" * len(buckets)]
-    for name in names:
-        cells = [get.get((name, b)) for b in buckets]
-        lines.append(f"| {name} | " + " | ".join(
-            "" if c is None else f"{c['tau']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] "
-            f"({c['steps']})" for c in cells) + " |")
-    return "\n".join(lines + delta_table(rows)) + "\n"
+    header = [f"Real greedy decoding with the {meta['drafter']} drafter: tau by output length "
+              f"(tokens generated before each verification step, buckets of {meta['bucket']}), "
+              f"up to {meta['max_new_tokens']} new tokens, n_ref {meta['n_ref']}; prompts "
+              f"(output tokens): {lens}. Same text under every scaling: "
+              f"{meta['same_text_under_every_scaling']}. Each cell: tau [95% bootstrap over the "
+              "steps] (steps); below, the difference from frozen.", ""]
+    table = bucket_table(rows, "scaling", lambda c: f"{c['tau']:.3f} "
+                         f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] ({c['steps']})")
+    return "\n".join(header + table + delta_table(rows)) + "\n"

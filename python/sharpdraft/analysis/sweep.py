@@ -13,7 +13,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -208,40 +208,41 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
 
 
 def markdown(rows: List[dict], meta: dict) -> str:
+    header = [f"Teacher-forced acceptance proxy tau (1 + leading drafts equal to the target's "
+              f"top-1) of the {meta['drafter']} drafter on {meta['text']}, by context bucket "
+              f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
+              f"n_ref {meta['n_ref']}"
+              + (f", context window {meta['context_window']}" if meta.get("context_window")
+                 else "") + ". Each cell: tau [95% bootstrap interval]; below, the paired "
+              "difference from frozen on the same anchors.", ""]
+    table = bucket_table(rows, "scaling", lambda c: f"{c['tau_proxy']:.3f} "
+                         f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
+    return "\n".join(header + table + delta_table(rows)) + "\n"
+
+
+def bucket_table(rows: List[dict], title: str, cell: Callable[[dict], str],
+                 skip: Sequence[str] = ()) -> List[str]:
+    """Markdown lines of a table with one row per scaling (in first-seen order, less ``skip``)
+    and one column per context bucket; ``cell(row)`` renders a filled cell, a missing
+    (scaling, bucket) pair stays empty. ``title`` heads the first column."""
     buckets = sorted({tuple(r["bucket"]) for r in rows})
-    lines = [f"Teacher-forced acceptance proxy tau (1 + leading drafts equal to the target's "
-             f"top-1) of the {meta['drafter']} drafter on {meta['text']}, by context bucket "
-             f"(tokens), {meta['per_bucket']} anchors per bucket and sequence, "
-             f"n_ref {meta['n_ref']}"
-             + (f", context window {meta['context_window']}" if meta.get("context_window")
-                else "") + ". Each cell: tau [95% bootstrap interval]; below, the paired "
-             "difference from frozen on the same anchors.", "",
-             "| scaling | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
-             "|---|" + "---:|" * len(buckets)]
     get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
-    names = list(dict.fromkeys(r["scaling"] for r in rows))
+    names = [n for n in dict.fromkeys(r["scaling"] for r in rows) if n not in skip]
+    lines = [f"| {title} | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
+             "|---|" + "---:|" * len(buckets)]
     for name in names:
         cells = [get.get((name, b)) for b in buckets]
-        lines.append(f"| {name} | " + " | ".join(
-            "" if c is None else f"{c['tau_proxy']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
-            for c in cells) + " |")
-    return "\n".join(lines + delta_table(rows)) + "\n"
+        lines.append(f"| {name} | " + " | ".join("" if c is None else cell(c) for c in cells)
+                     + " |")
+    return lines
 
 
 def delta_table(rows: List[dict]) -> List[str]:
     """Markdown lines of the difference from frozen (delta_vs_frozen [delta_ci95]) of every
     scaling but frozen, by bucket."""
-    buckets = sorted({tuple(r["bucket"]) for r in rows})
-    get = {(r["scaling"], tuple(r["bucket"])): r for r in rows}
-    names = [n for n in dict.fromkeys(r["scaling"] for r in rows) if n != "frozen"]
-    lines = ["", "| scaling - frozen | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |",
-             "|---|" + "---:|" * len(buckets)]
-    for name in names:
-        cells = [get.get((name, b)) for b in buckets]
-        lines.append(f"| {name} | " + " | ".join(
-            "" if c is None else f"{c['delta_vs_frozen']:+.3f} [{c['delta_ci95'][0]:+.2f}, "
-            f"{c['delta_ci95'][1]:+.2f}]" for c in cells) + " |")
-    return lines
+    return [""] + bucket_table(
+        rows, "scaling - frozen", lambda c: f"{c['delta_vs_frozen']:+.3f} "
+        f"[{c['delta_ci95'][0]:+.2f}, {c['delta_ci95'][1]:+.2f}]", skip=("frozen",))
 
 
 def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the anchor (tokens)",
