@@ -1,5 +1,6 @@
 """sharpdraft.analysis.mass: row statistics by hand, the probe's logits against the kernel, the
 scalings' properties, and the command on tiny models."""
+import json
 import math
 
 import pytest
@@ -258,6 +259,70 @@ def test_sweep_run_writes_paired_tables(tmp_path):
     for f in ("sweep.json", "sweep.md", "sweep.png"):
         assert (tmp_path / "o" / f).exists()
     assert "| const e^0.2 |" in (tmp_path / "o" / "sweep.md").read_text()
+    # every row keeps its anchors and leads: their mean is the row's tau; the anchors lie in
+    # the bucket, in both sequences, and are the same under every scaling
+    for r in rep["rows"]:
+        assert len(r["leads"]) == len(r["anchors_at"]) == r["anchors"]
+        assert sum(r["leads"]) / len(r["leads"]) + 1 == pytest.approx(r["tau_proxy"], abs=1e-4)
+        assert all(r["bucket"][0] <= p < r["bucket"][1] for _, p in r["anchors_at"])
+        assert {s for s, _ in r["anchors_at"]} == {0, 1}
+        assert r["anchors_at"] == rows[("frozen", r["bucket"][0])]["anchors_at"]
+
+
+def _report(leads_by_scaling, anchors=((0, 10), (0, 20), (1, 15), (1, 30))):
+    """A hand-made sweep.json: one bucket [8, 40), the given leads per scaling."""
+    return {"settings": {"drafter": "eagle3", "text": "t"},
+            "rows": [{"scaling": n, "bucket": [8, 40], "anchors": len(x),
+                      "anchors_at": [list(a) for a in anchors], "leads": list(x)}
+                     for n, x in leads_by_scaling.items()]}
+
+
+def test_compare_pairs_checkpoints_anchor_by_anchor():
+    """analysis.sweep.compare: the paired difference is the mean of the per-anchor differences
+    (by hand), the base comes first, and mismatched anchors or missing leads are refused."""
+    from sharpdraft.analysis import sweep
+    base = _report({"frozen": [0, 1, 2, 1], "slope 0.2": [0, 1, 2, 3]})
+    other = _report({"frozen": [1, 1, 2, 4], "slope 0.2": [1, 1, 1, 4]})
+    rows = sweep.compare(base, {"pskip": other})
+    got = {r["scaling"]: r for r in rows}
+    assert [r["scaling"] for r in rows] == ["base: frozen", "pskip: frozen", "pskip: slope 0.2"]
+    assert got["base: frozen"]["tau_proxy"] == pytest.approx(2.0)      # 1 + mean(0, 1, 2, 1)
+    assert got["base: frozen"]["delta_vs_base"] == 0
+    assert got["pskip: frozen"]["delta_vs_base"] == pytest.approx(1.0)      # (1+0+0+3) / 4
+    assert got["pskip: slope 0.2"]["delta_vs_base"] == pytest.approx(0.75)  # (1+0-1+3) / 4
+    lo, hi = got["pskip: frozen"]["delta_ci95"]
+    assert 0.0 <= lo <= 1.0 <= hi <= 3.0
+    rows = sweep.compare(base, {"pskip": other}, base_scaling="slope 0.2")
+    assert {r["scaling"]: r["delta_vs_base"] for r in rows}["pskip: frozen"] == pytest.approx(0.5)
+    md = sweep.compare_markdown(rows, {"drafter": "eagle3", "text": "t", "base": "b",
+                                       "base_scaling": "slope 0.2"})
+    assert "| pskip: frozen | +0.500 [" in md and "| minus base | 8-40 |" in md
+    with pytest.raises(ValueError, match="anchors of bucket 8-40 differ"):
+        sweep.compare(base, {"x": _report({"frozen": [1, 1, 1, 1]},
+                                          anchors=((0, 10), (0, 21), (1, 15), (1, 30)))})
+    with pytest.raises(ValueError, match="no scaling 'slope 9'"):
+        sweep.compare(base, {"pskip": other}, base_scaling="slope 9")
+    old = {"settings": {}, "rows": [{"scaling": "frozen", "bucket": [8, 40], "anchors": 4}]}
+    with pytest.raises(ValueError, match="no per-anchor leads"):
+        sweep.compare(base, {"old": old})
+
+
+def test_cli_analyze_compare(tmp_path, capsys):
+    """`sharpdraft analyze compare` writes compare.json/md/png from sweep folders (no model)
+    and names a folder without sweep.json."""
+    from sharpdraft import cli
+    for name, leads in (("a", [0, 1, 2, 1]), ("b", [2, 1, 2, 1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps(_report({"frozen": leads})))
+    assert cli.main(["analyze", "compare", str(tmp_path / "a"), str(tmp_path / "b"),
+                     "--out", str(tmp_path / "c")]) == 0
+    rows = json.loads((tmp_path / "c" / "compare.json").read_text())["rows"]
+    assert [r["scaling"] for r in rows] == ["base: frozen", "b: frozen"]
+    assert rows[1]["delta_vs_base"] == pytest.approx(0.5)
+    assert (tmp_path / "c" / "compare.png").exists()
+    with pytest.raises(SystemExit, match="no sweep.json"):
+        cli.main(["analyze", "compare", str(tmp_path / "a"), str(tmp_path / "nope"),
+                  "--out", str(tmp_path / "d")])
 
 
 def test_long_decode_buckets_every_step_by_output_length(tmp_path):

@@ -22,6 +22,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
     sharpdraft analyze calibrate --drafter dflash --no-write          # per-layer slopes
     sharpdraft analyze sweep --drafter dflash --out analysis/sweep    # proxy tau per scaling
     sharpdraft analyze sweep --drafter dflash --decode 1024 --out analysis/decode   # by output length
+    sharpdraft analyze compare runs/a/sweep runs/b/sweep --out analysis/compare   # checkpoints, paired
     sharpdraft analyze adapt --drafter dflash --out analysis/adapt    # vs online fine-tuning
 """
 from __future__ import annotations
@@ -175,6 +176,8 @@ def cmd_analyze(args) -> dict:
     held-out KJV passages (sharpdraft.analysis.mass.run / calibrate.run)."""
     from .analysis import calibrate, mass
 
+    if args.analysis == "compare":                 # reads sweep reports only: no target
+        return compare_command(args)
     target, tokenizer, provenance = load_target_for(args)
     drafter = build_drafter(target, tokenizer, args)
     if args.analysis in ("mass", "calibrate") and not drafter.one_softmax_per_call:
@@ -227,6 +230,39 @@ def adapt_command(target, tokenizer, provenance, drafter, args) -> dict:
                     slope=0.2 if args.slope is None else args.slope)
     print((Path(args.out) / "adapt.md").read_text())
     return {"target": provenance, "out": args.out, "summary": rep["summary"]}
+
+
+def compare_command(args) -> dict:
+    """`sharpdraft analyze compare BASE OTHER...`: sweep reports of several checkpoints paired
+    anchor by anchor against BASE's --base-scaling (analysis.sweep.compare); writes
+    compare.json, compare.md and compare.png to --out."""
+    from .analysis import sweep
+
+    reports = {}
+    for folder in [args.base] + args.others:
+        f = Path(folder) / "sweep.json"
+        if not f.is_file():
+            raise SystemExit(f"sharpdraft analyze compare: error: {folder}: no sweep.json "
+                             f"(a folder `sharpdraft analyze sweep --out` wrote)")
+        reports[folder] = json.loads(f.read_text())
+    base = reports.pop(args.base)
+    names = {Path(f).name: rep for f, rep in reports.items()}
+    if len(names) != len(reports) or args.base in names:
+        names = dict(reports)                      # folder names collide: use the paths
+    try:
+        rows = sweep.compare(base, names, base_scaling=args.base_scaling, seed=args.seed)
+    except ValueError as err:
+        raise SystemExit(f"sharpdraft analyze compare: error: {err}")
+    meta = {"drafter": base["settings"]["drafter"], "text": base["settings"]["text"],
+            "base": args.base, "base_scaling": args.base_scaling, "others": args.others,
+            "seed": args.seed}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
+    (out / "compare.md").write_text(sweep.compare_markdown(rows, meta))
+    sweep.plot(rows, meta, out / "compare.png", what="checkpoints on the same anchors")
+    print((out / "compare.md").read_text())
+    return {"out": args.out, "rows": len(rows)}
 
 
 def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
@@ -475,7 +511,7 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
     a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
     analyses = a.add_subparsers(dest="analysis", required=True,
-                                metavar="{mass,calibrate,sweep,adapt}")
+                                metavar="{mass,calibrate,sweep,compare,adapt}")
     am = analyses.add_parser(
         "mass", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="top-k attention mass and locality of each drafter layer (and the target's) "
@@ -521,6 +557,17 @@ def parser() -> argparse.ArgumentParser:
                      help="only these scalings (names as in sweep.md, e.g. 'slope 0.2'; frozen "
                           "is always run); default: all of them")
     asw.add_argument("--out", default="analysis/sweep", help="output folder")
+    acm = analyses.add_parser(
+        "compare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="paired differences between the sweep reports of several checkpoints of one "
+             "drafter kind (same text, seed and --per-bucket), anchor by anchor, by context "
+             "bucket; loads no model")
+    acm.add_argument("base", help="folder of the baseline's sweep.json")
+    acm.add_argument("others", nargs="+", help="folders of the other sweep.json files")
+    acm.add_argument("--base-scaling", default="frozen",
+                     help="the baseline's scaling every entry is paired against")
+    acm.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    acm.add_argument("--out", default="analysis/compare", help="output folder")
     aa = analyses.add_parser(
         "adapt", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="online adaptation of the drafter (full fine-tuning, LoRA) against the frozen "

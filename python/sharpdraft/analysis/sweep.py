@@ -144,7 +144,9 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
         only: Optional[Sequence[str]] = None) -> dict:
     """`sharpdraft analyze sweep`: leads of every scaling (or of those named in `only`; frozen
     is always kept, the pairing baseline) at the same anchors of every sequence of `features`,
-    bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`. A drafter with
+    bucketed by `edges`; writes sweep.json, sweep.md and sweep.png to `out`. Each row keeps its
+    anchors ([sequence, position] pairs) and their leads, so that two sweeps of the same
+    drafter kind on the same text and seed pair up across checkpoints (`compare`). A drafter with
     several SharpDraft variants (`sharp_variants`, LongSpark's scopes) runs every scaling in
     each, named "<variant>: <scaling>".
 
@@ -171,6 +173,10 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
     leads: Dict[str, Dict[int, list]] = {name: {} for name in suite}
     jobs = [(s, sample_anchors(int(features.lengths[s]), edges, per_bucket, margin, gen))
             for s in range(len(features))]
+    where: Dict[int, list] = {}        # bucket -> [[sequence, anchor], ...] in the leads' order
+    for s, by_bucket in jobs:
+        for i, a in by_bucket.items():
+            where.setdefault(i, []).extend([s, int(p)] for p in a)
     bar = tqdm(total=len(jobs) * len(suite), desc="analyze sweep", unit="run")
     for s, by_bucket in jobs:
         seq = dict(features[s], layer_ids=layer_ids)
@@ -195,7 +201,8 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
             rows.append({"scaling": name, "bucket": [edges[i], edges[i + 1]], "anchors": len(x),
                          "tau_proxy": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)],
                          "delta_vs_frozen": round(d, 4),
-                         "delta_ci95": [round(dlo, 4), round(dhi, 4)]})
+                         "delta_ci95": [round(dlo, 4), round(dhi, 4)],
+                         "anchors_at": where[i], "leads": (x - 1.0).long().tolist()})
     meta = {"drafter": drafter_name, "n_ref": n_ref, "edges": list(edges),
             "context_window": getattr(drafter, "context_window", None),
             "per_bucket": per_bucket, "sequences": len(features), "text": text, "seed": seed}
@@ -205,6 +212,67 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
     (out / "sweep.md").write_text(markdown(rows, meta))
     plot(rows, meta, out / "sweep.png")
     return {"settings": meta, "rows": rows}
+
+
+def compare(base: dict, others: Dict[str, dict], base_scaling: str = "frozen",
+            seed: int = 0) -> List[dict]:
+    """Paired differences across checkpoints: every scaling of every sweep report in `others`
+    ({name: sweep.json contents}) against `base_scaling` of the `base` report, anchor by
+    anchor, per context bucket. Rows: {"scaling": "<name>: <scaling>", "bucket", "anchors",
+    "tau_proxy", "ci95", "delta_vs_base", "delta_ci95"} (95% percentile bootstrap of the mean
+    paired difference), with the base itself first as "base: <base_scaling>".
+
+    Raises:
+        ValueError: a report lacks per-anchor leads (written before they were kept), the base
+            has no `base_scaling`, or two reports' anchors differ in a bucket (another text,
+            seed, drafter kind or --per-bucket: the pairing would be meaningless).
+    """
+    def by_key(rep, what):
+        rows = rep["rows"]
+        if any("leads" not in r for r in rows):
+            raise ValueError(f"{what}: the sweep report has no per-anchor leads; rerun "
+                             f"`sharpdraft analyze sweep`")
+        return {(r["scaling"], tuple(r["bucket"])): r for r in rows}
+    b = by_key(base, "base")
+    ref = {k[1]: r for k, r in b.items() if k[0] == base_scaling}
+    if not ref:
+        raise ValueError(f"base: no scaling {base_scaling!r}; it has "
+                         f"{list(dict.fromkeys(k[0] for k in b))}")
+    out = []
+    entries = [("base", {(base_scaling, k): r for k, r in ref.items()})]
+    entries += [(name, by_key(rep, name)) for name, rep in others.items()]
+    for name, rows in entries:
+        for (scaling, bucket), r in rows.items():
+            if bucket not in ref:
+                continue
+            if r["anchors_at"] != ref[bucket]["anchors_at"]:
+                raise ValueError(f"{name}: the anchors of bucket {bucket[0]}-{bucket[1]} differ "
+                                 f"from the base's (another text, seed, drafter kind or "
+                                 f"--per-bucket)")
+            x = torch.tensor(r["leads"], dtype=torch.float64) + 1.0
+            y = torch.tensor(ref[bucket]["leads"], dtype=torch.float64) + 1.0
+            m, lo, hi = bootstrap_ci(x, seed=seed)
+            d, dlo, dhi = bootstrap_ci(x - y, seed=seed)
+            out.append({"scaling": f"{name}: {scaling}", "bucket": list(bucket),
+                        "anchors": len(x), "tau_proxy": round(m, 4),
+                        "ci95": [round(lo, 4), round(hi, 4)], "delta_vs_base": round(d, 4),
+                        "delta_ci95": [round(dlo, 4), round(dhi, 4)]})
+    return out
+
+
+def compare_markdown(rows: List[dict], meta: dict) -> str:
+    """compare.md: tau [95% interval] of every entry, then its paired difference from the
+    base, by context bucket."""
+    header = [f"Teacher-forced tau proxy of {meta['drafter']} checkpoints on the same anchors "
+              f"({meta['text']}), by context bucket (tokens); base: {meta['base']} "
+              f"({meta['base_scaling']}). Each cell: tau [95% bootstrap interval]; below, the "
+              f"paired difference from the base on the same anchors.", ""]
+    table = bucket_table(rows, "checkpoint: scaling", lambda c: f"{c['tau_proxy']:.3f} "
+                         f"[{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
+    delta = bucket_table(rows, "minus base", lambda c: f"{c['delta_vs_base']:+.3f} "
+                         f"[{c['delta_ci95'][0]:+.2f}, {c['delta_ci95'][1]:+.2f}]",
+                         skip=(rows[0]["scaling"],) if rows else ())
+    return "\n".join(header + table + [""] + delta) + "\n"
 
 
 def markdown(rows: List[dict], meta: dict) -> str:
