@@ -6,7 +6,8 @@
 # it exactly (same weights, data, budget and seed) with --position-skip 0.5. Then the
 # teacher-forced sweep (frozen vs slope 0.2, by context bucket, the 2 held-out texts of 7,168
 # tokens) of both, each with and without --context-window 512, and their anchor-by-anchor
-# comparison against the shipped frozen drafter. Writes benchmarks/position-robust-eagle3-cpu/.
+# comparison against the shipped frozen drafter (float32, as the earlier sweeps on CPUs where
+# --dtype auto picks it). Writes benchmarks/position-robust-eagle3-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S2=runs/stage2/eagle3-smollm2            # the stage-2 weights, from git history
@@ -20,7 +21,7 @@ sharpdraft train eagle3 --corpus corpus --tokens 456971 --eval-tokens 8192 --seq
   --threads 2 --steps 1000000 --warmup 30 --eval-every 250 --max-minutes 14 --init-from "$S2" \
   --lr 1e-3 --window 512 --ttt-steps 3 --position-skip 0.5 --out "$PSKIP"
 O=benchmarks/position-robust-eagle3-cpu
-SW=(--length 7168 --sequences 3 --per-bucket 96 --scalings "slope 0.2" --threads 2)
+SW=(--length 7168 --sequences 3 --per-bucket 96 --scalings "slope 0.2" --dtype float32 --threads 2)
 for name in shipped pskip; do
   if [ "$name" = shipped ]; then P=$SHIPPED; else P=$PSKIP; fi
   sharpdraft analyze sweep --drafter eagle3 --drafter-path "$P" "${SW[@]}" --out "$O/sweep-$name"

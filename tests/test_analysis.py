@@ -195,21 +195,20 @@ def _session_drafts(target, drafter, ids, a):
     return drafts
 
 
-@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3", "longspark"])
-def test_sweep_leads_match_the_inference_sessions(kind):
-    """The parallel teacher-forced leads equal what a session drafts at each anchor: the text
-    is rewritten so that after anchor a it follows the session's own drafts for m_a tokens and
-    the target's top-1 agrees with exactly m_a of them (m_a = 0, 1, ... across anchors), so the
-    expected lead of every anchor is known by construction."""
-    from sharpdraft.analysis import sweep
-    from sharpdraft.training import cache as tc
+def _tiny(kind, target):
     from sharpdraft_helpers import tiny_eagle3, tiny_pard
     from test_longspark import tiny_longspark
-    target = tiny_target()
-    drafter = {"dflash": lambda t: tiny_drafter(t, block_size=4),
-               "pard": lambda t: tiny_pard(t, num_draft_tokens=3),
-               "eagle3": lambda t: tiny_eagle3(t, chain_length=3),
-               "longspark": lambda t: tiny_longspark(t, window=8)}[kind](target)
+    return {"dflash": lambda t: tiny_drafter(t, block_size=4),
+            "pard": lambda t: tiny_pard(t, num_draft_tokens=3),
+            "eagle3": lambda t: tiny_eagle3(t, chain_length=3),
+            "longspark": lambda t: tiny_longspark(t, window=8)}[kind](target)
+
+
+def _seq_with_known_leads(target, drafter):
+    """(seq, anchors, leads): a text rewritten so that after anchor a it follows the session's
+    own drafts for m_a tokens and the target's top-1 agrees with exactly m_a of them (m_a = 0,
+    1, ... across anchors), so the expected lead of every anchor is known by construction."""
+    from sharpdraft.training import cache as tc
     layer_ids = [0, 1, 2, 3]
     ids = _text_seq(target, layer_ids)["ids"].long()
     anchors, wants, drafted = [6, 20, 34, 48, 62], [0, 1, 2, 3, 1], {}
@@ -225,9 +224,38 @@ def test_sweep_leads_match_the_inference_sessions(kind):
             top[a + j, 0] = drafted[a][j] if j < m else (drafted[a][j] + 1) % 256
     seq = {"ids": ids.int(), "feats": f[0], "top_p": p[0], "top_i": top, "layer_ids": layer_ids,
            "trained": torch.ones(len(ids), dtype=torch.bool)}
+    return seq, torch.tensor(anchors), wants
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3", "longspark"])
+def test_sweep_leads_match_the_inference_sessions(kind):
+    """The parallel teacher-forced leads equal what a session drafts at each anchor (the
+    text of `_seq_with_known_leads`)."""
+    from sharpdraft.analysis import sweep
+    target = tiny_target()
+    drafter = _tiny(kind, target)
+    seq, anchors, wants = _seq_with_known_leads(target, drafter)
     with torch.no_grad():
-        leads = sweep.anchor_leads(drafter, target, seq, torch.tensor(anchors))
+        leads = sweep.anchor_leads(drafter, target, seq, anchors)
     assert leads.tolist() == wants
+
+
+@pytest.mark.parametrize("kind", ["dflash", "pard", "eagle3", "longspark"])
+def test_sweep_leads_of_a_bfloat16_drafter(kind):
+    """A bfloat16 target and drafter (what `--dtype auto` picks where bfloat16 is faster) run the
+    teacher-forced sweep on the float16 cached features of a float32 text with known leads:
+    leads in [0, drafts], equal to the known ones at most anchors (bfloat16 rounding may flip a
+    near tie)."""
+    from sharpdraft.analysis import sweep
+    target = tiny_target()
+    drafter = _tiny(kind, target)
+    seq, anchors, wants = _seq_with_known_leads(target, drafter)
+    with torch.no_grad():
+        got = sweep.anchor_leads(drafter.to(torch.bfloat16), target.to(torch.bfloat16), seq,
+                                 anchors)
+    assert got.dtype == torch.int64 and got.shape == anchors.shape
+    assert int(got.min()) >= 0 and int(got.max()) <= 3
+    assert sum(int(g == w) for g, w in zip(got.tolist(), wants)) >= 3, (got.tolist(), wants)
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks():

@@ -199,6 +199,16 @@ def test_cached_features_keys_the_folder_by_content_not_by_the_list(tmp_path):
     assert other["folder"] != small["folder"]
 
 
+def test_cache_key_ignores_the_dtype_timing_but_not_the_dtype():
+    """--dtype auto records its float32 / bfloat16 timings in the target provenance; they vary
+    run to run and must not make a new cache folder, while the chosen dtype must."""
+    meta = {"format": "f", "layer_ids": [0, 2], "topk": 4, "split": "heldout",
+            "target": {"sha256": "ab", "dtype": "bfloat16", "dtype_rule_ms": {"float32": [1.0]}}}
+    again = {**meta, "target": {**meta["target"], "dtype_rule_ms": {"float32": [2.0]}}}
+    fp32 = {**meta, "target": {**meta["target"], "dtype": "float32"}}
+    assert tc.cache_key(meta) == tc.cache_key(again) != tc.cache_key(fp32)
+
+
 def test_distill_loss_and_weights():
     w = losses.position_weights(5, 2.0)
     torch.testing.assert_close(w, torch.exp(-torch.arange(4.0) / 2.0))

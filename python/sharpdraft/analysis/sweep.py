@@ -31,11 +31,12 @@ from .mass import scaling_suite
 
 
 def _features(drafter, seq: dict) -> torch.Tensor:
-    """float32 features of the target layers the drafter reads, taken from a cache of the
-    layers seq["layer_ids"]."""
+    """Features of the target layers the drafter reads, taken from a cache of the layers
+    seq["layer_ids"], in the drafter's dtype (a bfloat16 drafter, which `--dtype auto` picks on
+    CPUs with AVX-512 BF16, takes bfloat16 features as its sessions do)."""
     cols = fused_columns(list(seq["layer_ids"]), list(drafter.config.target_layer_ids),
                          drafter.config.target_hidden_size)
-    return seq["feats"][:, cols].float()
+    return seq["feats"][:, cols].to(next(drafter.parameters()).dtype)
 
 
 def _draft_ids(drafter, logits: torch.Tensor) -> torch.Tensor:

@@ -371,6 +371,8 @@ def cache_key(meta: dict) -> str:
     top-k, split, source and its length cut), not of the list of sequences (`LIST_FIELDS`), so a
     longer or shorter selection of the same corpus shares the folder and its shards."""
     kept = {k: v for k, v in meta.items() if k not in LIST_FIELDS}
+    if isinstance(kept.get("target"), dict):   # --dtype auto's timing is no feature determinant
+        kept["target"] = {k: v for k, v in kept["target"].items() if k != "dtype_rule_ms"}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
