@@ -313,7 +313,9 @@ def test_compare_pairs_checkpoints_anchor_by_anchor():
     other = _report({"frozen": [1, 1, 2, 4], "slope 0.2": [1, 1, 1, 4]})
     rows = sweep.compare(base, {"pskip": other})
     got = {r["scaling"]: r for r in rows}
-    assert [r["scaling"] for r in rows] == ["base: frozen", "pskip: frozen", "pskip: slope 0.2"]
+    assert [r["scaling"] for r in rows] == ["base: frozen", "base: slope 0.2", "pskip: frozen",
+                                            "pskip: slope 0.2"]
+    assert got["base: slope 0.2"]["delta_vs_base"] == pytest.approx(0.5)    # (0+0+0+2) / 4
     assert got["base: frozen"]["tau_proxy"] == pytest.approx(2.0)      # 1 + mean(0, 1, 2, 1)
     assert got["base: frozen"]["delta_vs_base"] == 0
     assert got["pskip: frozen"]["delta_vs_base"] == pytest.approx(1.0)      # (1+0+0+3) / 4

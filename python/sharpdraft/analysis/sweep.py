@@ -221,7 +221,8 @@ def compare(base: dict, others: Dict[str, dict], base_scaling: str = "frozen",
     ({name: sweep.json contents}) against `base_scaling` of the `base` report, anchor by
     anchor, per context bucket. Rows: {"scaling": "<name>: <scaling>", "bucket", "anchors",
     "tau_proxy", "ci95", "delta_vs_base", "delta_ci95"} (95% percentile bootstrap of the mean
-    paired difference), with the base itself first as "base: <base_scaling>".
+    paired difference); the base's own scalings come first, named "base: <scaling>", its
+    `base_scaling` at the top.
 
     Raises:
         ValueError: a report lacks per-anchor leads (written before they were kept), the base
@@ -240,7 +241,8 @@ def compare(base: dict, others: Dict[str, dict], base_scaling: str = "frozen",
         raise ValueError(f"base: no scaling {base_scaling!r}; it has "
                          f"{list(dict.fromkeys(k[0] for k in b))}")
     out = []
-    entries = [("base", {(base_scaling, k): r for k, r in ref.items()})]
+    first = {k: r for k, r in b.items() if k[0] == base_scaling}      # the base's baseline first
+    entries = [("base", {**first, **b})]
     entries += [(name, by_key(rep, name)) for name, rep in others.items()]
     for name, rows in entries:
         for (scaling, bucket), r in rows.items():
