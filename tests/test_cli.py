@@ -145,6 +145,7 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert md.count("| eagle3-tree |") == 2 and md.count("| eagle3-chain |") == 2
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
+    assert saved["settings"]["target_dtype"] == "float32"
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
 
 

@@ -124,7 +124,8 @@ def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
 
 
 def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_tokens: int,
-              slope: Optional[float], out_dir: Path, draft_threshold: float = 0.0) -> List[dict]:
+              slope: Optional[float], out_dir: Path, draft_threshold: float = 0.0,
+              target_info: Optional[dict] = None) -> List[dict]:
     """Run AR, then every variant frozen and with SharpDraft (greedy), on every prompt; write
     bench.json, bench.md and tau_vs_context.png to `out_dir`.
 
@@ -133,6 +134,8 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     "fixed_slope" (its n_ref and calibrated layer slopes kept; `slope`, when given, replaces
     its slope), keys "<label>-frozen" and "<label>-sharp" of each row.
     draft_threshold: passed to chain decoding (0: whole blocks are verified).
+    target_info: the target's provenance (package, sha256, dtype: bfloat16 rounding makes
+        speculative output leave target-only output at near-ties), recorded in bench.json.
     """
     methods = {}
     for label, (drafter, tree) in variants.items():
@@ -158,7 +161,8 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
                          "identical_to_ar": res.tokens == ar.tokens}
         rows.append(row)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"max_new_tokens": max_new_tokens,
+    meta = {"max_new_tokens": max_new_tokens, "target": target_info,
+            "target_dtype": str(next(target.parameters()).dtype)[6:],
             "slope": {label: methods[f"{label}-sharp"][2].slope for label in variants},
             "layer_slopes": {label: methods[f"{label}-sharp"][2].layer_slopes
                              for label in variants},

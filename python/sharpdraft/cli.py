@@ -165,7 +165,8 @@ def cmd_bench(args) -> dict:
         else:
             variants[label] = (d, False)
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
-                     Path(args.out), draft_threshold=args.draft_threshold)
+                     Path(args.out), draft_threshold=args.draft_threshold,
+                     target_info=provenance)
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png")
     return {"target": provenance, "runs": len(rows)}
