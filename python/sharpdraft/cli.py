@@ -248,8 +248,8 @@ def compare_command(args) -> dict:
         reports[folder] = json.loads(f.read_text())
     base = reports.pop(args.base)
     names = {Path(f).name: rep for f, rep in reports.items()}
-    if len(names) != len(reports) or args.base in names:
-        names = dict(reports)                      # folder names collide: use the paths
+    if len(names) != len(reports) or "base" in names:
+        names = dict(reports)           # folder names collide (or with "base"): use the paths
     try:
         rows = sweep.compare(base, names, base_scaling=args.base_scaling, seed=args.seed)
     except ValueError as err:
