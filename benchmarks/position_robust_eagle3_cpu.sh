@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Issue 16, item 4 for EAGLE-3 (CPU, 2 threads): does position-robust training keep EAGLE-3
 # accurate past its 512-token training windows, with or without a context window of 512 and
-# SharpDraft? The ablation: the shipped stage-3 checkpoint is 14 minutes of plain training from
+# SharpDraft? The ablation: the stage-3 checkpoint (shipped until stage 4 continued it; taken
+# from git history here) is 14 minutes of plain training from
 # the stage-2 weights on the first 2,320 corpus conversations; the position-robust run repeats
 # it exactly (same weights, data, budget and seed) with --position-skip 0.5. Then the
 # teacher-forced sweep (frozen vs slope 0.2, by context bucket, the 2 held-out texts of 7,168
 # tokens) of both, each with and without --context-window 512, and their anchor-by-anchor
-# comparison against the shipped frozen drafter (float32, as the earlier sweeps on CPUs where
-# --dtype auto picks it). Writes benchmarks/position-robust-eagle3-cpu/.
+# comparison against stage 3's frozen drafter (float32, as the earlier sweeps on CPUs where
+# --dtype auto picks it). Writes benchmarks/position-robust-eagle3-cpu/ (sweep-shipped* are
+# stage 3's, the checkpoint shipped when they were run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-S2=runs/stage2/eagle3-smollm2            # the stage-2 weights, from git history
-SHIPPED=python/sharpdraft/checkpoints/eagle3-smollm2
+S2=runs/stage2/eagle3-smollm2            # the stage-2 and stage-3 weights, from git history
+SHIPPED=runs/stage3/eagle3-smollm2
 PSKIP=runs/stage3/eagle3-pskip
-mkdir -p "$S2"
+mkdir -p "$S2" "$SHIPPED"
 for f in config.json model.safetensors training.json; do
   git show 53bb664:python/sharpdraft/checkpoints/eagle3-smollm2/$f > "$S2/$f"
+  git show 03fd01a:python/sharpdraft/checkpoints/eagle3-smollm2/$f > "$SHIPPED/$f"
 done
 sharpdraft train eagle3 --corpus corpus --tokens 456971 --eval-tokens 8192 --seq-len 1024 \
   --threads 2 --steps 1000000 --warmup 30 --eval-every 250 --max-minutes 14 --init-from "$S2" \
