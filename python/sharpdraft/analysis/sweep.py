@@ -195,7 +195,8 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
     rows = []
     for name in suite:
         for i, parts in sorted(leads[name].items()):
-            x = torch.cat(parts).double() + 1.0
+            lead = torch.cat(parts)
+            x = lead.double() + 1.0
             base = torch.cat(leads["frozen"][i]).double() + 1.0
             m, lo, hi = bootstrap_ci(x, seed=seed)
             d, dlo, dhi = bootstrap_ci(x - base, seed=seed)
@@ -203,7 +204,7 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
                          "tau_proxy": round(m, 4), "ci95": [round(lo, 4), round(hi, 4)],
                          "delta_vs_frozen": round(d, 4),
                          "delta_ci95": [round(dlo, 4), round(dhi, 4)],
-                         "anchors_at": where[i], "leads": (x - 1.0).long().tolist()})
+                         "anchors_at": where[i], "leads": lead.tolist()})
     meta = {"drafter": drafter_name, "n_ref": n_ref, "edges": list(edges),
             "context_window": getattr(drafter, "context_window", None),
             "per_bucket": per_bucket, "sequences": len(features), "text": text, "seed": seed}
@@ -236,12 +237,12 @@ def compare(base: dict, others: Dict[str, dict], base_scaling: str = "frozen",
                              f"`sharpdraft analyze sweep`")
         return {(r["scaling"], tuple(r["bucket"])): r for r in rows}
     b = by_key(base, "base")
-    ref = {k[1]: r for k, r in b.items() if k[0] == base_scaling}
-    if not ref:
+    first = {k: r for k, r in b.items() if k[0] == base_scaling}      # the base's baseline first
+    if not first:
         raise ValueError(f"base: no scaling {base_scaling!r}; it has "
                          f"{list(dict.fromkeys(k[0] for k in b))}")
+    ref = {bucket: r for (_, bucket), r in first.items()}
     out = []
-    first = {k: r for k, r in b.items() if k[0] == base_scaling}      # the base's baseline first
     entries = [("base", {**first, **b})]
     entries += [(name, by_key(rep, name)) for name, rep in others.items()]
     for name, rows in entries:
