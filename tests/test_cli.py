@@ -268,3 +268,17 @@ def test_cli_checks_the_drafter_checkpoint_against_the_target(checkpoint, tmp_pa
         cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
                   "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
                   "--max-new-tokens", "4"])
+
+
+@pytest.mark.parametrize("dtype,identical,noted", [("bfloat16", False, True),
+                                                   ("bfloat16", True, False),
+                                                   ("float32", False, False)])
+def test_report_explains_a_bfloat16_divergence(capsys, dtype, identical, noted):
+    # the note appears only where a bfloat16 run left target-only output
+    report = {"text": "x", "new_tokens": 4, "prompt_tokens": 3, "target_forwards": 2, "tau": 2.0,
+              "tokens_per_s": 10.0, "ar_tokens_per_s": 5.0, "speedup": 2.0,
+              "identical_to_ar": identical, "target": {"dtype": dtype}}
+    cli.print_report(report)
+    out = capsys.readouterr().out
+    assert ("--dtype float32 gives token-identical output" in out) is noted
+    assert "identical to AR: " + str(identical) in out
