@@ -11,7 +11,9 @@
 # python/sharpdraft/checkpoints/<drafter>-smollm2/).
 # Env: DRAFTERS (default "dflash eagle3 pard"; longspark too), INIT (default
 # python/sharpdraft/checkpoints), THREADS (default 2), TOKENS (train response tokens taken from
-# the corpus, in corpus order; default all). The feature cache is built once (under
+# the corpus, in corpus order; default all), LR_SCALE (default 1: multiplies each drafter's peak
+# learning rate below; continuations of trained weights use 0.5), SEED (default 0: which windows
+# and anchors are drawn). The feature cache is built once (under
 # $SHARPDRAFT_HOME/train_cache) and shared by every drafter; a grown corpus caches only its new
 # conversations.
 set -euo pipefail
@@ -22,18 +24,22 @@ INIT=${INIT:-python/sharpdraft/checkpoints}
 THREADS=${THREADS:-2}
 TOKENS=${TOKENS:-1000000000}
 DRAFTERS=${DRAFTERS:-dflash eagle3 pard}
+LR_SCALE=${LR_SCALE:-1}
+SEED=${SEED:-0}
 DATA=(--corpus corpus --tokens "$TOKENS" --eval-tokens 8192 --seq-len 1024 --threads "$THREADS"
-      --steps 1000000 --warmup 30 --eval-every 250 --max-minutes "$MIN")
+      --steps 1000000 --warmup 30 --eval-every 250 --max-minutes "$MIN" --seed "$SEED")
+declare -A LR=([dflash]=1e-3 [eagle3]=1e-3 [pard]=3e-4 [longspark]=4e-4)
 declare -A EXTRA=(
-  [dflash]="--lr 1e-3 --gamma 2 --blocks 32 --anchor-warmup 0 --position-skip 0.5"
-  [eagle3]="--lr 1e-3 --window 512 --ttt-steps 3"
-  [pard]="--lr 3e-4 --window 512"
-  [longspark]="--lr 4e-4 --eval-every 500"
+  [dflash]="--gamma 2 --blocks 32 --anchor-warmup 0 --position-skip 0.5"
+  [eagle3]="--window 512 --ttt-steps 3"
+  [pard]="--window 512"
+  [longspark]="--eval-every 500"
 )
 
 sharpdraft train dflash "${DATA[@]}" --cache-only --out "$OUT/dflash-smollm2"
 for d in $DRAFTERS; do
   # shellcheck disable=SC2086
-  sharpdraft train "$d" "${DATA[@]}" --init-from "$INIT/$d-smollm2" ${EXTRA[$d]} \
+  lr=$(awk -v a="${LR[$d]}" -v s="$LR_SCALE" 'BEGIN { printf "%g", a * s }')
+  sharpdraft train "$d" "${DATA[@]}" --init-from "$INIT/$d-smollm2" --lr "$lr" ${EXTRA[$d]} \
     --out "$OUT/$d-smollm2"
 done
