@@ -2,9 +2,9 @@
 
 For each of the first 8 held-out corpus prompts: 128 new tokens of target-only greedy decoding
 and of EAGLE-3 chain speculative decoding (the shipped checkpoint, SharpDraft at its defaults),
-both in the target dtype `--dtype` picks; at the first position where they differ, the float32
-logits of the target (its weights as loaded) after the common prefix, the two tokens and the
-float32 logit gap between them. A gap far below the dtype's resolution is a rounding tie (the
+both in the target dtype `--dtype` picks; at the first position where they differ, the logits
+of one float32 forward of the same weights (bfloat16-rounded when bfloat16 was picked, so only
+the arithmetic differs) after the common prefix, the two tokens and the logit gap between them. A gap far below the dtype's resolution is a rounding tie (the
 verification forward over several rows rounds differently from the one-row decode step), not a
 wrong acceptance.
 
