@@ -68,10 +68,28 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     assert report["drafter"] == drafter[1] + ("-tree" if "--tree" in drafter else "")
 
 
+def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
+    """--tree-topk/--tree-depth/--tree-tokens reach the drafter: the report echoes the shape, no
+    step commits more than depth + 1 tokens, and the output stays lossless."""
+    rc = cli.main(["generate", "--target", str(checkpoint), "--prompt",
+                   "the lord god said unto him and her", "--no-chat-template", "--drafter",
+                   "eagle3", "--tree", "--tree-topk", "2", "--tree-depth", "2", "--tree-tokens",
+                   "3", "--max-new-tokens", "12", "--compare-ar", "--json", "--threads", "1"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tree_shape"] == {"tree_topk": 2, "tree_depth": 2, "tree_tokens": 3}
+    assert report["max_drafts"] == 3
+    assert 1 <= report["tau"] <= 3 and report["identical_to_ar"] is True
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["generate", "--tree"], "--tree"),
     (["generate", "--drafter", "eagle3", "--tree", "--draft-threshold", "0.5"], "--tree"),
     (["generate", "--block-size", "1"], "--block-size"),
+    (["generate", "--drafter", "eagle3", "--tree", "--tree-tokens", "0"], "--tree-tokens"),
+    (["bench", "--drafter", "eagle3", "--tree-depth", "0"], "--tree-depth"),
+    (["generate", "--tree-topk", "4"], "--tree-topk"),               # DFlash has no trees
+    (["generate", "--drafter", "eagle3", "--tree-depth", "3"], "--tree"),  # chain drafting
     (["generate", "--kjv-context", "0"], "--kjv-context"),
     (["generate", "--n-ref", "0"], "--n-ref"),
     (["generate", "--threads", "0"], "--threads"),

@@ -28,6 +28,7 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -75,6 +76,9 @@ def default_drafter_path(args) -> Optional[Path]:
     return None
 
 
+TREE_SHAPE = ("tree_topk", "tree_depth", "tree_tokens")   # a tree drafter's config fields
+
+
 def build_drafter(target, tokenizer, args):
     """Load --drafter-path (default: the shipped checkpoint of --drafter for the default
     target), or build an untrained drafter of that kind for this target (seeded).
@@ -92,6 +96,9 @@ def build_drafter(target, tokenizer, args):
                                            block_size=args.block_size, seed=args.seed)
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
               f"(tau ~ 1)", file=sys.stderr)
+    shape = {f: getattr(args, f) for f in TREE_SHAPE if getattr(args, f, None) is not None}
+    if shape:       # --tree-topk / --tree-depth / --tree-tokens: validated by the config
+        drafter.config = dataclasses.replace(drafter.config, **shape)
     drafter.context_window = getattr(args, "context_window", None)
     sharp = getattr(args, "sharp", True)      # bench runs both, whatever this says
     calibrated = getattr(drafter.config, "sharp_slopes", None) if args.slope is None else None
@@ -330,6 +337,8 @@ def cmd_generate(args) -> dict:
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
                         for k, v in drafter.sharp.kernel_kwargs().items()},
               "max_drafts": drafter.config.tree_tokens if args.tree else drafter.max_drafts,
+              "tree_shape": ({f: getattr(drafter.config, f) for f in TREE_SHAPE} if args.tree
+                             else None),
               "context_window": drafter.context_window,
               "target": provenance}
     if args.compare_ar:
@@ -428,6 +437,14 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
                         "EAGLE-3, PARD; default: all of them)")
+    g.add_argument("--tree-topk", type=int, default=None, metavar="K",
+                   help="tree drafting: nodes expanded per depth and children kept per node "
+                        "(default: the checkpoint's tree_topk)")
+    g.add_argument("--tree-depth", type=int, default=None, metavar="D",
+                   help="tree drafting: draft depth (default: the checkpoint's tree_depth)")
+    g.add_argument("--tree-tokens", type=int, default=None, metavar="N",
+                   help="tree drafting: nodes verified per step, the best by path probability "
+                        "(default: the checkpoint's tree_tokens)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                    help="target (and drafter) weights; auto: bfloat16 only where a measurement "
@@ -626,6 +643,16 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
         trees = [n for n in registry.names() if registry.get(n).trees]
         p.error(f"--tree needs a tree drafter ({', '.join(trees)}), got --drafter "
                 f"{args.drafter}")
+    shape = [f"--{f.replace('_', '-')}" for f in TREE_SHAPE
+             if getattr(args, f, None) is not None]
+    for name in TREE_SHAPE:
+        positive(name)
+    if shape and not registry.get(args.drafter).trees:
+        p.error(f"{shape[0]} needs a tree drafter "
+                f"({', '.join(n for n in registry.names() if registry.get(n).trees)}), got "
+                f"--drafter {args.drafter}")
+    if shape and args.command == "generate" and not args.tree:
+        p.error(f"{shape[0]} applies to tree drafting: add --tree")
     if getattr(args, "tree", False) and args.draft_threshold:
         p.error("--draft-threshold applies to chain drafting, not --tree")
     if getattr(args, "block_size", 2) < 2:
