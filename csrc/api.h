@@ -456,4 +456,54 @@ inline void check_query_scale_meta(const at::Tensor& n, c10::string_view mode, d
   if (sp_out) *sp_out = sp;
 }
 
+// pack_linear_weight's argument: a 2-D float32 CPU weight (out_features, in_features).
+inline void check_pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.defined(), "weight must be a tensor");
+  TORCH_CHECK_VALUE(weight.device().is_cpu() || weight.device().is_meta(),
+                    "weight must be a CPU tensor (the packed linear layer is CPU only), got ",
+                    weight.device());
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat, "weight must be float32, got ",
+                    weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.sym_size(0) > 0 && weight.sym_size(1) > 0,
+                    "weight must have shape (out_features, in_features), both >= 1, got ",
+                    weight.sym_sizes());
+}
+
+// packed_linear's arguments: x (..., in_features) float32 on the CPU, `packed` as returned by
+// pack_linear_weight on a machine whose panel width is `panel_width`, out_features the
+// weight's first dimension, bias (out_features,) float32 or none.
+inline void check_packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                                int64_t out_features, const std::optional<at::Tensor>& bias,
+                                int64_t panel_width) {
+  TORCH_CHECK_VALUE(x.defined() && packed.defined(), "x and packed must be tensors");
+  for (const at::Tensor* t : {&x, &packed}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() || t->device().is_meta(),
+                      t == &x ? "x" : "packed", " must be a CPU tensor (the packed linear "
+                      "layer is CPU only), got ", t->device());
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, t == &x ? "x" : "packed",
+                      " must be float32, got ", t->scalar_type());
+  }
+  TORCH_CHECK_VALUE(packed.dim() == 3, "packed must be the (panels, in_features, panel width) "
+                    "tensor of pack_linear_weight, got shape ", packed.sym_sizes());
+  TORCH_CHECK_VALUE(packed.sym_size(2) == panel_width, "packed has panels of ",
+                    packed.sym_size(2), " columns but this CPU's kernel uses ", panel_width,
+                    ": pack the weight again on this machine (pack_linear_weight)");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.sym_size(-1) == packed.sym_size(1),
+                    "x must have shape (..., in_features) with in_features = ",
+                    packed.sym_size(1), " (the packed weight's), got ", x.sym_sizes());
+  const c10::SymInt panels = packed.sym_size(0);
+  TORCH_CHECK_VALUE(out_features > (panels - 1) * panel_width &&
+                        out_features <= panels * panel_width,
+                    "out_features must be the packed weight's out_features, in (",
+                    (panels - 1) * panel_width, ", ", panels * panel_width, "], got ",
+                    out_features);
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->device() == x.device() && bias->scalar_type() == at::kFloat &&
+                          bias->dim() == 1 && bias->sym_size(0) == out_features,
+                      "bias must be a float32 (out_features,) = (", out_features, ",) tensor "
+                      "on x's device, got ", bias->scalar_type(), " ", bias->sym_sizes(),
+                      " on ", bias->device());
+  }
+}
+
 }  // namespace sharpdraft

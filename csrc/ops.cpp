@@ -7,18 +7,19 @@
 #include <tuple>
 
 #include "api.h"
+#include "cpu/linear_cpu.h"
 #include "cpu/sharp_cpu.h"
 #include "sharp_math.h"
 
 namespace sharpdraft {
 namespace {
 
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(0, n, 1, body);
+}
+
 void run_cpu(const SharpParams& p) {
-  cpu::sharp_attention_forward(
-      p, at::get_num_threads(),
-      [](int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-        at::parallel_for(0, n, 1, body);
-      });
+  cpu::sharp_attention_forward(p, at::get_num_threads(), parallel_for);
 }
 
 std::tuple<at::Tensor, at::Tensor> sharp_attention_cpu(
@@ -82,6 +83,35 @@ at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double sl
     bp[e] = static_cast<float>(query_scale(np[e], sp, (e / lq) % hq));
   }
   return beta;
+}
+
+// The CPU linear layer for few rows (csrc/cpu/linear_cpu.h): weight (N, K) float32 -> its
+// panels (P, K, panel width); y = x W^T + b from them. Checks name the argument.
+at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
+  check_pack_linear_weight(weight);
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), np = cpu::panel_width();
+  at::Tensor packed = at::empty({(n + np - 1) / np, k, np}, w.options());
+  cpu::pack_panels(w.data_ptr<float>(), n, k, packed.data_ptr<float>(), parallel_for);
+  return packed;
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                             const std::optional<at::Tensor>& bias) {
+  check_packed_linear(x, packed, out_features, bias, cpu::panel_width());
+  const int64_t k = packed.size(1);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const at::Tensor pk = packed.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  at::Tensor y = at::empty({x2.size(0), out_features}, x.options());
+  if (x2.size(0) > 0) {
+    cpu::panel_linear(x2.data_ptr<float>(), x2.size(0), k, pk.data_ptr<float>(), out_features, k,
+                      b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                      out_features, parallel_for);
+  }
+  return y.view(shape);
 }
 
 // The check ops: the meta checks of api.h (shapes, dtypes, devices, scalar arguments; never
@@ -157,6 +187,12 @@ TORCH_LIBRARY(sharpdraft, m) {
       "int topk, float contrast, float beta_min, float beta_max) -> ()",
       &check_query_scale);
   m.def("cpu_isa() -> str", [] { return std::string(cpu::isa_name()); });
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("panel_width() -> int", [] { return cpu::panel_width(); });
+  m.def("check_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, "
+        "int panel_width) -> ()", &check_packed_linear);
+  m.def("check_pack_linear_weight(Tensor weight) -> ()", &check_pack_linear_weight);
 }
 
 TORCH_LIBRARY_IMPL(sharpdraft, CPU, m) {
@@ -164,6 +200,8 @@ TORCH_LIBRARY_IMPL(sharpdraft, CPU, m) {
   m.impl("sharp_attention_varlen", &sharp_attention_varlen_cpu);
   m.impl("visible_counts", &visible_counts_cpu);
   m.impl("query_scale", &query_scale_cpu);
+  m.impl("pack_linear_weight", &pack_linear_weight_cpu);
+  m.impl("packed_linear", &packed_linear_cpu);
 }
 
 }  // namespace sharpdraft

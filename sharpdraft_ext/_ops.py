@@ -66,6 +66,20 @@ def _query_scale_fake(n, mode, slope, slope_per_head, n_ref, topk, contrast, bet
     return n.new_empty(n.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("sharpdraft::pack_linear_weight")
+def _pack_linear_weight_fake(weight):
+    ops.check_pack_linear_weight(weight)
+    n, k = weight.shape
+    width = ops.panel_width()
+    return weight.new_empty(((n + width - 1) // width, k, width))
+
+
+@torch.library.register_fake("sharpdraft::packed_linear")
+def _packed_linear_fake(x, packed, out_features, bias):
+    ops.check_packed_linear(x, packed, out_features, bias, ops.panel_width())
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 # ----- autograd -------------------------------------------------------------------------------
 # Each op's differentiable inputs, by position in its schema, and the reference call that
 # recomputes its outputs from the saved inputs.

@@ -20,7 +20,7 @@ struct Isa {
   const char* name;
 };
 
-Isa select_isa() {
+int select_level() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
@@ -29,14 +29,15 @@ Isa select_isa() {
   // SHARPDRAFT_CPU_ISA=base|avx2 caps the choice (for testing the fallbacks).
   const char* cap = std::getenv("SHARPDRAFT_CPU_ISA");
   const int limit = !cap ? 2 : std::strcmp(cap, "base") == 0 ? 0 : std::strcmp(cap, "avx2") == 0 ? 1 : 2;
-  if (avx512 && limit >= 2) return {attend_tile_avx512, "avx512"};
-  if (avx2 && limit >= 1) return {attend_tile_avx2, "avx2"};
-  return {attend_tile_base, "base"};
+  if (avx512 && limit >= 2) return 2;
+  if (avx2 && limit >= 1) return 1;
+  return 0;
 }
 
 const Isa& isa() {
-  static const Isa chosen = select_isa();
-  return chosen;
+  static const Isa table[3] = {{attend_tile_base, "base"}, {attend_tile_avx2, "avx2"},
+                               {attend_tile_avx512, "avx512"}};
+  return table[isa_level()];
 }
 
 // ---- element access ----------------------------------------------------------------------
@@ -303,6 +304,11 @@ void run_merge(const SharpParams& p, const Plan::Merge& mg, const float* ws_out,
 }
 
 }  // namespace
+
+int isa_level() {
+  static const int level = select_level();
+  return level;
+}
 
 const char* isa_name() { return isa().name; }
 

@@ -29,6 +29,8 @@ void visible_counts(const SharpParams& params, int64_t* counts);
 
 // The instruction set the tile kernel was dispatched to on this machine: "avx512", "avx2", "base".
 const char* isa_name();
+// The same choice as a level: 0 base, 1 avx2, 2 avx512 (the linear layer dispatches on it).
+int isa_level();
 
 // --- internal: the ISA-specific tile kernel -----------------------------------------------
 

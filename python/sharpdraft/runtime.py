@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
+import sharpdraft_ext as ext
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -158,17 +159,55 @@ def _packed_linear(x2d, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
 
 
+# The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
+# and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32).
+LINEAR_PATHS = ("dense", "onednn", "panel")
+
+
+def _paths_for(weight: torch.Tensor) -> tuple:
+    """The paths this weight can take (dense always; the others by device and dtype)."""
+    paths = ["dense"]
+    if _packable(weight):
+        paths.append("onednn")
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        paths.append("panel")
+    return tuple(paths)
+
+
+def _pack(weight: torch.Tensor, path: str):
+    """The prepacked form of `weight` for `path` (None for dense)."""
+    if path == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+    if path == "panel":
+        return ext.pack_linear_weight(weight)
+    return None
+
+
+def _run(path: str, x2d, weight, packed, bias):
+    if path == "onednn":
+        return _packed_linear(x2d, packed, bias)
+    if path == "panel":
+        return ext.packed_linear(x2d, packed, weight.shape[0], bias)
+    return F.linear(x2d, weight, bias)
+
+
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` (same `weight` and `bias` parameters) with a oneDNN-prepacked copy of its
-    weight. `use_packed` = (for one row, for more rows): which path each takes (see
-    `plan_linears`). Falls back to `F.linear` under autograd or for inputs it cannot pack."""
+    """An `nn.Linear` (same `weight` and `bias` parameters) with prepacked copies of its weight.
+    `use_packed` = (path for one row, path for more rows), each one of `LINEAR_PATHS` (True
+    means "onednn", False "dense"; see `plan_linears`). A path the weight cannot take (another
+    device or dtype) and autograd fall back to `F.linear`."""
 
     def __init__(self, linear: nn.Linear, use_packed=(False, True)):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.use_packed = tuple(use_packed)
+        self.use_packed = tuple("onednn" if p is True else "dense" if p is False else p
+                                for p in use_packed)
+        bad = [p for p in self.use_packed if p not in LINEAR_PATHS]
+        if len(self.use_packed) != 2 or bad:
+            raise ValueError(f"use_packed must be two of {LINEAR_PATHS} (or booleans), got "
+                             f"{use_packed!r}")
         self.repack()
 
     def _version(self) -> tuple:
@@ -176,91 +215,105 @@ class PackedLinear(nn.Linear):
         return (w.data_ptr(), w._version, w.dtype, w.device)
 
     def repack(self) -> None:
-        """Pack the current weight (None where oneDNN cannot: another device or dtype). Done
-        again automatically once the weight changes (moved, cast, or updated in place by an
+        """Pack the current weight for each path in use that it can take. Done again
+        automatically once the weight changes (moved, cast, or updated in place by an
         optimizer step: its version counter moves)."""
+        able = _paths_for(self.weight)
         with torch.no_grad():
-            self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                    _PACK_ROWS)
-                           if _packable(self.weight) else None)
+            self.packed = {p: _pack(self.weight.detach(), p) for p in set(self.use_packed)
+                           if p != "dense" and p in able}
         self.packed_version = self._version()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if (not self.use_packed[rows > 1] or x.dtype != self.weight.dtype or rows == 0
+        path = self.use_packed[rows > 1]
+        if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
         if self.packed_version != self._version():
             self.repack()
-        if self.packed is None:
+        packed = self.packed.get(path)
+        if packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = _packed_linear(x.reshape(rows, x.shape[-1]), self.packed,
-                             None if self.bias is None else self.bias.detach())
+        out = _run(path, x.reshape(rows, x.shape[-1]), self.weight, packed,
+                   None if self.bias is None else self.bias.detach())
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def _median_s(fn, repeats: int, flush: Optional[torch.Tensor] = None) -> float:
-    """Median seconds of fn() over `repeats` calls; with `flush`, a read of that buffer (not
-    timed) before each call evicts what fn reads from the caches."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush.sum()
-        t = time.perf_counter()
+def _interleaved_medians(fns: Dict[str, object], repeats: int,
+                         flush: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """{name: median seconds of fns[name]()}, the candidates timed in turn within each repeat
+    (so that a drift of the machine's speed reaches them all alike), each after a warm-up
+    call and, with `flush`, a read of that buffer that evicts what it reads from the caches."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    times: Dict[str, list] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 _COLD_BYTES = 64 << 20   # more than the last-level caches of the CPUs we run on
 _PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape and threads
 
 
-def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 7) -> Dict[tuple, tuple]:
-    """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, `F.linear`
-    against the oneDNN-packed weight at 1 row and at rows[1] rows (median of `repeats`).
+def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
+                 paths: Sequence[str] = LINEAR_PATHS) -> Dict[tuple, tuple]:
+    """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
+    `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
+    at 1 row and at rows[1] rows (medians of `repeats`, the paths timed in turn), and keep the
+    fastest.
 
     A forward streams every weight from memory once, so each call is timed with the weight
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
     measured hot in cache favours the wrong path (F.linear at one row, on our AVX2 machine).
-    Choices are remembered per shape and thread count for the rest of the process.
+    Choices are remembered per shape, thread count and path set for the rest of the process.
 
     Returns:
-        {(out_features, in_features, dtype): (packed at 1 row?, packed at more rows?)}.
+        {(out_features, in_features, dtype): (path at 1 row, path at more rows)}, paths from
+        `LINEAR_PATHS`.
     """
     plan = {}
     flush = None
     for mod in model.modules():
-        if not isinstance(mod, nn.Linear) or not _packable(mod.weight):
+        if not isinstance(mod, nn.Linear) or mod.weight.device.type != "cpu":
             continue
         key = (mod.out_features, mod.in_features, mod.weight.dtype)
         if key in plan:
             continue
-        known = _PLANS.get((key, rows, torch.get_num_threads()))
+        known = _PLANS.get((key, rows, torch.get_num_threads(), tuple(paths)))
         if known is not None:             # measured before in this process (target, drafter)
             plan[key] = known
+            continue
+        able = [p for p in _paths_for(mod.weight) if p in paths]
+        if able == ["dense"]:
             continue
         if flush is None:
             flush = torch.ones(_COLD_BYTES // 4)
         w = mod.weight.detach()
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS)
+        packed = {p: _pack(w, p) for p in able}
         choice = []
         for m in rows:
             x = torch.randn(m, mod.in_features, dtype=w.dtype)
-            dense = _median_s(lambda: F.linear(x, w), repeats, flush)
-            fast = _median_s(lambda: _packed_linear(x, packed, None), repeats, flush)
-            choice.append(fast < dense)
-        plan[key] = _PLANS[(key, rows, torch.get_num_threads())] = tuple(choice)
+            s = _interleaved_medians({p: (lambda p=p: _run(p, x, w, packed[p], None))
+                                      for p in able}, repeats, flush)
+            choice.append(min(able, key=s.get))
+        plan[key] = _PLANS[(key, rows, torch.get_num_threads(), tuple(paths))] = tuple(choice)
     return plan
 
 
 def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
     """The measured rule behind `--dtype auto`: bfloat16 weights only where this CPU runs the
     model's largest decoder linear faster in bfloat16 than in float32, at one row (decode)
-    and at rows[1] rows (verification), both through the faster of `F.linear` and the
-    oneDNN-packed weight. Without AVX-512 BF16 or AMX, bfloat16 matmuls are emulated and lose;
-    with them they read half the bytes.
+    and at rows[1] rows (verification), each through the fastest path it can take
+    (`LINEAR_PATHS`: F.linear, oneDNN's packed weight, the panel kernel for float32). Without
+    AVX-512 BF16 or AMX, bfloat16 matmuls are emulated and lose; with them they read half the
+    bytes.
 
     Returns:
         (torch.float32 or torch.bfloat16, {"float32": [ms per row count], "bfloat16": [...]}).
@@ -270,18 +323,19 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
     if not linears or not torch.backends.mkldnn.is_available():
         return torch.float32, {}
     w32 = max(linears, key=lambda m: m.weight.numel()).weight.detach().float()
-    ms = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    cands = {}                           # (dtype name, path) -> (weight, packed weight)
+    for dtype, name in names.items():
         w = w32.to(dtype)
-        packed = (torch.ops.mkldnn._reorder_linear_weight(w, _PACK_ROWS) if _packable(w)
-                  else None)
-        ms[str(dtype)[6:]] = []
-        for m in rows:
-            x = torch.randn(m, w.shape[1], dtype=dtype)
-            best = _median_s(lambda: F.linear(x, w), repeats)
-            if packed is not None:
-                best = min(best, _median_s(lambda: _packed_linear(x, packed, None), repeats))
-            ms[str(dtype)[6:]].append(round(1e3 * best, 4))
+        cands.update({(name, p): (w, _pack(w, p)) for p in _paths_for(w)})
+    ms = {name: [] for name in names.values()}
+    for m in rows:
+        xs = {name: torch.randn(m, w32.shape[1], dtype=dtype) for dtype, name in names.items()}
+        t = _interleaved_medians({(n, p): (lambda n=n, p=p: _run(p, xs[n], *cands[(n, p)],
+                                                                  None)) for n, p in cands},
+                                 repeats)
+        for name in ms:
+            ms[name].append(round(1e3 * min(v for (n, _), v in t.items() if n == name), 4))
     faster = all(b < f for b, f in zip(ms["bfloat16"], ms["float32"]))
     return (torch.bfloat16 if faster else torch.float32), ms
 
@@ -289,10 +343,11 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
 def as_packed(linear: nn.Module, plan: Dict[tuple, tuple]) -> nn.Module:
     """`linear` as a `PackedLinear` sharing its parameters where `plan` (see `plan_linears`)
     packs its shape at some row count; else `linear` itself."""
-    if type(linear) is not nn.Linear or not _packable(linear.weight):
+    if type(linear) is not nn.Linear:
         return linear
     choice = plan.get((linear.out_features, linear.in_features, linear.weight.dtype))
-    return PackedLinear(linear, choice) if choice and any(choice) else linear
+    return (PackedLinear(linear, choice) if choice and any(p != "dense" for p in choice)
+            else linear)
 
 
 def pack_linears(model: nn.Module, plan: Dict[tuple, tuple]) -> int:
