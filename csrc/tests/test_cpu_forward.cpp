@@ -14,15 +14,6 @@ using namespace sharpdraft;
 
 namespace {
 
-struct Rng {  // small deterministic generator (64-bit LCG), values in [-2, 2)
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  double next() {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    return double(s >> 11) / double(1ull << 53) * 4.0 - 2.0;
-  }
-};
-
 struct Case {
   Case(const char* n, int64_t b, int64_t hq, int64_t hk, int64_t lq, int64_t lk, int64_t d)
       : name(n), B(b), Hq(hq), Hk(hk), Lq(lq), Lk(lk), D(d) {}
@@ -38,13 +29,6 @@ struct Case {
   double slope = 0.3;
   int64_t n_ref = 16;
 };
-
-// 2 threads, each running body on its share of [0, n).
-void two_threads(int64_t n, const std::function<void(int64_t, int64_t)>& body) {
-  std::thread t([&] { body(0, n / 2); });
-  body(n / 2, n);
-  t.join();
-}
 
 float round_to(DType dt, float x) {
   if (dt == DType::kBFloat16) return bf16_to_float(float_to_bf16(x));

@@ -1,0 +1,147 @@
+"""The CPU linear layer for few rows (sharpdraft_ext.pack_linear_weight / packed_linear) against a
+float64 F.linear (SPEC section 6 rule, with float32 F.linear as the torch baseline), its argument
+errors, its fake kernels, each instruction set (in a subprocess: the choice is made once per
+process), and the target runtime's use of it (PackedLinear, plan_linears)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sharpdraft_ext as ext
+from conftest import assert_close_spec
+from sharpdraft.runtime import LINEAR_PATHS, PackedLinear, plan_linears
+
+
+def _case(rows, n, k, bias, seed, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(*lead, rows, k, generator=g)
+    return x, w, b
+
+
+def _check(x, w, b):
+    out = ext.packed_linear(x, ext.pack_linear_weight(w), w.shape[0], b)
+    ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == torch.float32 and out.shape == ref64.shape
+    assert_close_spec(out, ref64, F.linear(x, w, b), "packed_linear")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n", [1, 47, 48, 49, 200])
+def test_packed_linear_matches_float64(rows, n):
+    _check(*_case(rows, n, 64, bias=rows % 2 == 0, seed=rows * 100 + n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), n=st.integers(1, 130), k=st.integers(1, 100),
+       bias=st.booleans(), lead=st.lists(st.integers(1, 3), max_size=2),
+       seed=st.integers(0, 2 ** 16))
+def test_packed_linear_random_shapes(rows, n, k, bias, lead, seed):
+    _check(*_case(rows, n, k, bias, seed, tuple(lead)))
+
+
+def test_packed_linear_reads_strided_x_and_an_empty_batch():
+    x, w, b = _case(6, 30, 40, True, 1)
+    wide = torch.randn(6, 80)
+    wide[:, ::2] = x                                   # x as a non-contiguous view
+    _check(wide[:, ::2], w, b)
+    packed = ext.pack_linear_weight(w)
+    assert ext.packed_linear(torch.randn(0, 40), packed, 30).shape == (0, 30)
+
+
+def test_pack_linear_weight_layout():
+    """Panel p, row kk, column j holds w[p * width + j, kk], zero past out_features."""
+    w = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3) + 1
+    width = ext.panel_width()
+    packed = ext.pack_linear_weight(w)
+    assert packed.shape == (1, 3, width)
+    assert torch.equal(packed[0, :, :5], w.t())
+    assert not packed[0, :, 5:].any()
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda p: ext.packed_linear(torch.randn(2, 5), p, 4), "x"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6).double(), p, 4), "x"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6), p.double(), 4), "packed"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6), p[..., :-1], 4), "pack the weight again"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6), p, 100), "out_features"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6), p, 4, torch.randn(3)), "bias"),
+    (lambda p: ext.pack_linear_weight(torch.randn(4)), "weight"),
+    (lambda p: ext.pack_linear_weight(torch.randn(4, 6).bfloat16()), "weight"),
+])
+def test_bad_arguments_name_the_argument(call, arg):
+    packed = ext.pack_linear_weight(torch.randn(4, 6))
+    with pytest.raises(ValueError, match=arg):
+        call(packed)
+
+
+def test_fake_kernels_give_shapes_and_run_the_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    width = ext.panel_width()
+    with FakeTensorMode():
+        w = torch.empty(50, 7)
+        packed = torch.ops.sharpdraft.pack_linear_weight(w)
+        assert packed.shape == ((50 + width - 1) // width, 7, width)
+        out = torch.ops.sharpdraft.packed_linear(torch.empty(2, 3, 7), packed, 50, None)
+        assert out.shape == (2, 3, 50)
+        with pytest.raises(ValueError, match="out_features"):
+            torch.ops.sharpdraft.packed_linear(torch.empty(3, 7), packed, 500, None)
+
+
+@pytest.mark.parametrize("isa", ["base", "avx2"])
+def test_each_instruction_set(isa):
+    """The panel kernels of the lower instruction sets (a capped process), where the CPU has
+    them, against float64."""
+    code = ("import torch, torch.nn.functional as F, sharpdraft_ext as ext\n"
+            "g = torch.Generator().manual_seed(0)\n"
+            "w, b, x = torch.randn(50, 33, generator=g), torch.randn(50, generator=g), "
+            "torch.randn(9, 33, generator=g)\n"
+            "out = ext.packed_linear(x, ext.pack_linear_weight(w), 50, b).double()\n"
+            "ref = F.linear(x.double(), w.double(), b.double())\n"
+            "print(ext.cpu_isa(), ext.panel_width(), float((out - ref).abs().max()))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, SHARPDRAFT_CPU_ISA=isa), check=True)
+    got, width, err = res.stdout.split()
+    if got != isa:
+        pytest.skip(f"this CPU has no {isa} path below its own ({got})")
+    assert int(width) == {"base": 8, "avx2": 16}[isa]
+    assert float(err) < 1e-4
+
+
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+@pytest.mark.parametrize("rows", [1, 8])
+def test_packed_linear_module_on_each_path(path, rows):
+    """PackedLinear with either row count on any path equals the layer it wraps, and follows an
+    in-place weight update."""
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(40, 52)
+    mod = PackedLinear(lin, use_packed=(path, path))
+    x = torch.randn(2, rows, 40, generator=g)
+    with torch.no_grad():
+        assert_close_spec(mod(x), F.linear(x.double(), lin.weight.double(), lin.bias.double()),
+                          lin(x), f"PackedLinear {path}")
+        lin.weight.mul_(-2.0)
+        torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_rejects_unknown_paths():
+    with pytest.raises(ValueError, match="use_packed"):
+        PackedLinear(torch.nn.Linear(4, 4), use_packed=("fast", "dense"))
+
+
+def test_plan_picks_one_measured_path_per_row_count():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64),
+                                torch.nn.Linear(64, 96))
+    plan = plan_linears(model, repeats=3)
+    assert set(plan) == {(96, 64, torch.float32), (64, 96, torch.float32)}
+    for choice in plan.values():
+        assert len(choice) == 2 and set(choice) <= set(LINEAR_PATHS)
+    only = plan_linears(model, repeats=3, paths=("dense", "panel"))
+    assert all(set(c) <= {"dense", "panel"} for c in only.values())
