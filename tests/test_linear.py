@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import sharpdraft_ext as ext
 from conftest import assert_close_spec
-from sharpdraft.runtime import LINEAR_PATHS, PackedLinear, plan_linears
+from sharpdraft.runtime import LINEAR_PATHS, PackedLinear, linear_paths, plan_linears
 
 
 def _case(rows, n, k, bias, seed, lead=()):
@@ -145,3 +145,14 @@ def test_plan_picks_one_measured_path_per_row_count():
         assert len(choice) == 2 and set(choice) <= set(LINEAR_PATHS)
     only = plan_linears(model, repeats=3, paths=("dense", "panel"))
     assert all(set(c) <= {"dense", "panel"} for c in only.values())
+
+
+def test_linear_paths_from_the_environment(monkeypatch):
+    monkeypatch.delenv("SHARPDRAFT_LINEAR_PATHS", raising=False)
+    assert linear_paths() == LINEAR_PATHS
+    monkeypatch.setenv("SHARPDRAFT_LINEAR_PATHS", "dense, onednn")
+    assert linear_paths() == ("dense", "onednn")
+    for bad in ("dense,turbo", " , "):
+        monkeypatch.setenv("SHARPDRAFT_LINEAR_PATHS", bad)
+        with pytest.raises(ValueError, match="SHARPDRAFT_LINEAR_PATHS"):
+            linear_paths()

@@ -25,6 +25,7 @@ to the SPEC section 6 tolerance against the model's own forward with SDPA and a 
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,6 +163,25 @@ def _packed_linear(x2d, packed, bias):
 # The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
 # and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32).
 LINEAR_PATHS = ("dense", "onednn", "panel")
+
+
+def linear_paths() -> tuple:
+    """The paths `prepare_target` may choose from: all of `LINEAR_PATHS`, or those listed in
+    the environment variable SHARPDRAFT_LINEAR_PATHS (comma-separated, e.g. "dense,onednn" to
+    compare against the runtime without the panel kernel).
+
+    Raises:
+        ValueError naming SHARPDRAFT_LINEAR_PATHS: an unknown path or none at all.
+    """
+    raw = os.environ.get("SHARPDRAFT_LINEAR_PATHS")
+    if raw is None:
+        return LINEAR_PATHS
+    paths = tuple(p.strip() for p in raw.split(",") if p.strip())
+    bad = [p for p in paths if p not in LINEAR_PATHS]
+    if bad or not paths:
+        raise ValueError(f"SHARPDRAFT_LINEAR_PATHS={raw!r}: give a comma-separated subset of "
+                         f"{', '.join(LINEAR_PATHS)}")
+    return paths
 
 
 def _paths_for(weight: torch.Tensor) -> tuple:
@@ -437,7 +457,7 @@ def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
     if model.config._attn_implementation != "sharp":
         model.set_attn_implementation("sharp")
     set_sharp_config(model, SharpConfig(mode="none"))
-    plan = plan_linears(model) if pack else {}
+    plan = plan_linears(model, paths=linear_paths()) if pack else {}
     packed = pack_linears(model, plan) if plan else 0
     model._sharpdraft_runtime = {"linear_plan": {f"{o}x{i} {str(d)[6:]}": list(p)
                                                  for (o, i, d), p in plan.items()},
