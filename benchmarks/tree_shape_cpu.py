@@ -13,7 +13,7 @@ as `sharpdraft bench` picks them; --kjv-context adds the main job's Genesis prom
 Writes tree_shape.json, tree_shape.md and tree_shape.png to --out.
 
     python benchmarks/tree_shape_cpu.py --corpus corpus --corpus-prompts 8 \\
-        --shapes 4x5x16 8x6x32 10x6x60 --out benchmarks/tree-shape-cpu
+        --kjv-context 2048 --out benchmarks/tree-shape-cpu-panel
 """
 import argparse
 import dataclasses
@@ -52,7 +52,8 @@ def label(shape: dict) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", type=parse_shape, nargs="+",
-                   default=[parse_shape(s) for s in ("4x5x16", "8x6x32", "10x6x60")])
+                   default=[parse_shape(s) for s in
+                            ("4x5x16", "6x6x24", "8x6x32", "10x6x48", "10x7x64")])
     p.add_argument("--corpus", default="corpus")
     p.add_argument("--corpus-prompts", type=int, default=8)
     p.add_argument("--kjv-context", type=int, default=None,
@@ -61,7 +62,7 @@ def main():
     p.add_argument("--drafter-path", default=None, help="default: the shipped EAGLE-3")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/tree-shape-cpu")
+    p.add_argument("--out", default="benchmarks/tree-shape-cpu-panel")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # the CLI's own loading path: the same target, drafter and SharpDraft settings as generate

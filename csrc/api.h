@@ -483,8 +483,9 @@ inline void check_packed_linear(const at::Tensor& x, const at::Tensor& packed,
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, t == &x ? "x" : "packed",
                       " must be float32, got ", t->scalar_type());
   }
-  TORCH_CHECK_VALUE(packed.dim() == 3, "packed must be the (panels, in_features, panel width) "
-                    "tensor of pack_linear_weight, got shape ", packed.sym_sizes());
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.sym_size(0) >= 1 && packed.sym_size(1) >= 1,
+                    "packed must be the (panels, in_features, panel width) tensor of "
+                    "pack_linear_weight, got shape ", packed.sym_sizes());
   TORCH_CHECK_VALUE(packed.sym_size(2) == panel_width, "packed has panels of ",
                     packed.sym_size(2), " columns but this CPU's kernel uses ", panel_width,
                     ": pack the weight again on this machine (pack_linear_weight)");

@@ -18,7 +18,7 @@ from . import reference  # noqa: F401
 from ._ops import HAS_CUDA_KERNELS, ops
 
 __all__ = ["sharp_attention", "sharp_attention_varlen", "visible_counts", "query_scale",
-           "pack_linear_weight", "packed_linear", "reference", "cpu_isa", "HAS_CUDA_KERNELS"]
+           "pack_linear_weight", "packed_linear", "panel_width", "reference", "cpu_isa", "HAS_CUDA_KERNELS"]
 
 _INF = float("inf")
 
@@ -170,7 +170,6 @@ def query_scale(n: torch.Tensor, *, mode: str = "fixed_slope",
 def cpu_isa() -> str:
     """The instruction set the CPU kernel dispatched to: "avx512", "avx2" or "base"."""
     return ops.cpu_isa()
-
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

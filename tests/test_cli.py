@@ -90,6 +90,8 @@ def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
     (["bench", "--drafter", "eagle3", "--tree-depth", "0"], "--tree-depth"),
     (["generate", "--tree-topk", "4"], "--tree-topk"),               # DFlash has no trees
     (["generate", "--drafter", "eagle3", "--tree-depth", "3"], "--tree"),  # chain drafting
+    (["analyze", "mass", "--drafter", "eagle3", "--tree-tokens", "8", "--out", "x"],
+     "--tree-tokens"),
     (["generate", "--kjv-context", "0"], "--kjv-context"),
     (["generate", "--n-ref", "0"], "--n-ref"),
     (["generate", "--threads", "0"], "--threads"),

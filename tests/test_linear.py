@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 import sharpdraft_ext as ext
 from conftest import assert_close_spec
-from sharpdraft.runtime import LINEAR_PATHS, PackedLinear, linear_paths, plan_linears
+from sharpdraft.runtime import (LINEAR_PATHS, PANEL_MAX_ROWS, PackedLinear, linear_paths,
+                                plan_linears)
 
 
 def _case(rows, n, k, bias, seed, lead=()):
@@ -72,6 +73,7 @@ def test_pack_linear_weight_layout():
     (lambda p: ext.packed_linear(torch.randn(2, 6), p[..., :-1], 4), "pack the weight again"),
     (lambda p: ext.packed_linear(torch.randn(2, 6), p, 100), "out_features"),
     (lambda p: ext.packed_linear(torch.randn(2, 6), p, 4, torch.randn(3)), "bias"),
+    (lambda p: ext.packed_linear(torch.randn(2, 6), p[:0], -3), "packed"),
     (lambda p: ext.pack_linear_weight(torch.randn(4)), "weight"),
     (lambda p: ext.pack_linear_weight(torch.randn(4, 6).bfloat16()), "weight"),
 ])
@@ -129,6 +131,26 @@ def test_packed_linear_module_on_each_path(path, rows):
                           lin(x), f"PackedLinear {path}")
         lin.weight.mul_(-2.0)
         torch.testing.assert_close(mod(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_skips_the_panel_kernel():
+    """Past PANEL_MAX_ROWS rows the panel path runs F.linear itself: bitwise its output."""
+    lin = torch.nn.Linear(64, 50)
+    mod = PackedLinear(lin, use_packed=("panel", "panel"))
+    with torch.no_grad():
+        x = torch.randn(PANEL_MAX_ROWS + 5, 64)
+        assert torch.equal(mod(x), lin(x))
+        assert mod.packed["panel"] is not None
+
+
+def test_plan_without_dense_or_a_usable_path():
+    """Paths that leave a weight nothing to take (bfloat16 and the float32-only panel kernel)
+    keep F.linear for it; a single usable path is taken without timing."""
+    bf16 = torch.nn.Sequential(torch.nn.Linear(32, 48)).bfloat16()
+    assert plan_linears(bf16, repeats=1, paths=("panel",)) == {}
+    f32 = torch.nn.Sequential(torch.nn.Linear(32, 48))
+    assert plan_linears(f32, repeats=1, paths=("panel",)) == {
+        (48, 32, torch.float32): ("panel", "panel")}
 
 
 def test_packed_linear_rejects_unknown_paths():

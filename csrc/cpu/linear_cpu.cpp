@@ -65,6 +65,7 @@ void panel_linear(const float* x, int64_t rows, int64_t ldx, const float* packed
       t.ldx = ldx;
       t.k = k;
       t.panel = packed + p * k * np;
+      t.end = packed + panels * k * np;
       t.y = y + p * np;
       t.ldy = ldy;
       t.cols = static_cast<int>(n - p * np < np ? n - p * np : np);

@@ -37,6 +37,7 @@ struct PanelTask {
   const float* x;
   int64_t rows, ldx, k;
   const float* panel;   // (k, width) floats
+  const float* end;     // one past the packed weight (prefetches stay below it)
   const float* bias;    // width floats (zero padded) or null
   float* y;             // column 0 of this panel in row 0
   int64_t ldy;

@@ -26,15 +26,7 @@ constexpr int NP = NV * VW;  // panel width
 // linears at 8 rows: 33 -> 26 ms on 2 Xeon cores; benchmarks/linear-cpu).
 constexpr int64_t kAheadFloats = (3072 / (NP * 4)) * NP;
 constexpr int kLinesPerRow = NP * 4 / 64 > 0 ? NP * 4 / 64 : 1;
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-
-inline vf loadv(const float* p) {
-  vf x;
-  memcpy(&x, p, sizeof x);
-  return x;
-}
-inline void storev(float* p, vf x) { memcpy(p, &x, sizeof x); }
-inline vf splatv(float s) { return s - vf{}; }
+#include "cpu/simd_vec.h"  // vf, load, store, splat
 
 // R rows (R <= MR) of x times one panel.
 template <int R>
@@ -43,18 +35,20 @@ void block(const PanelTask& t, const float* x, float* y) {
 #pragma GCC unroll 16
   for (int m = 0; m < R; ++m) {
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) acc[m][j] = t.bias ? loadv(t.bias + j * VW) : vf{};
+    for (int j = 0; j < NV; ++j) acc[m][j] = t.bias ? load(t.bias + j * VW) : vf{};
   }
   const float* w = t.panel;
   for (int64_t kk = 0; kk < t.k; ++kk, w += NP) {
+    if (t.end - w > kAheadFloats + NP) {  // within the packed weight (the next panel too)
 #pragma GCC unroll 4
-    for (int l = 0; l < kLinesPerRow; ++l) __builtin_prefetch(w + kAheadFloats + 16 * l, 0, 3);
+      for (int l = 0; l < kLinesPerRow; ++l) __builtin_prefetch(w + kAheadFloats + 16 * l, 0, 3);
+    }
     vf wv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) wv[j] = loadv(w + j * VW);
+    for (int j = 0; j < NV; ++j) wv[j] = load(w + j * VW);
 #pragma GCC unroll 16
     for (int m = 0; m < R; ++m) {
-      const vf xs = splatv(x[m * t.ldx + kk]);
+      const vf xs = splat(x[m * t.ldx + kk]);
 #pragma GCC unroll 8
       for (int j = 0; j < NV; ++j) acc[m][j] += xs * wv[j];
     }
@@ -62,10 +56,10 @@ void block(const PanelTask& t, const float* x, float* y) {
   for (int m = 0; m < R; ++m) {
     float* out = y + m * t.ldy;
     if (t.cols == NP) {
-      for (int j = 0; j < NV; ++j) storev(out + j * VW, acc[m][j]);
+      for (int j = 0; j < NV; ++j) store(out + j * VW, acc[m][j]);
     } else {  // the last panel of a width that is not a multiple of NP
       float tmp[NP];
-      for (int j = 0; j < NV; ++j) storev(tmp + j * VW, acc[m][j]);
+      for (int j = 0; j < NV; ++j) store(tmp + j * VW, acc[m][j]);
       memcpy(out, tmp, t.cols * sizeof(float));
     }
   }

@@ -46,16 +46,8 @@ constexpr int PV_DV = kWide ? 4 : 3;     // head-dim vectors per PV micro-kernel
 // Tiles of at most this many rows (decode) compute scores with lanes over the head dim: with
 // lanes over rows most lanes would idle.
 constexpr int kDotRows = 2;
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+#include "cpu/simd_vec.h"  // vf, load, store, splat
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
-
-inline vf load(const float* p) {
-  vf x;
-  memcpy(&x, p, sizeof x);
-  return x;
-}
-inline void store(float* p, vf x) { memcpy(p, &x, sizeof x); }
-inline vf splat(float s) { return s - vf{}; }  // x - 0 folds to x (x + 0 would not)
 
 // 2^x with relative error below 1e-8 for x >= -126; exactly 0 below (so masked scores of -inf
 // give weight 0); NaN stays NaN. Degree-7 Taylor series of 2^f on f in [-1/2, 1/2].

@@ -653,6 +653,8 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
                 f"--drafter {args.drafter}")
     if shape and args.command == "generate" and not args.tree:
         p.error(f"{shape[0]} applies to tree drafting: add --tree")
+    if shape and args.command not in ("generate", "bench"):
+        p.error(f"{shape[0]} applies to generate --tree and bench (tree drafting)")
     if getattr(args, "tree", False) and args.draft_threshold:
         p.error("--draft-threshold applies to chain drafting, not --tree")
     if getattr(args, "block_size", 2) < 2:

@@ -14,11 +14,13 @@ changes only what costs time without changing the maths:
   causal); a tree verification passes its boolean mask.
 - Logits only where they are used (the last row at prefill), and hidden states only of the
   target layers the drafter reads (forward hooks, no 31-layer tuple).
-- Linear layers: `PackedLinear`, which keeps each `nn.Linear`'s parameters and adds a weight
-  prepacked by oneDNN; for each weight shape and for one row (decode) or several (verification)
-  it uses whichever of the two is faster, as measured on this machine when the runtime is set
-  up (`plan_linears`). The packed path is float32/bfloat16 on CPU; autograd, other devices and
-  other dtypes take `F.linear`.
+- Linear layers: `PackedLinear`, which keeps each `nn.Linear`'s parameters and adds the
+  prepacked weights its paths need; for each weight shape and for one row (decode) or several
+  (verification) it runs whichever of `F.linear`, oneDNN's prepacked weight and our panel
+  kernel (`sharpdraft_ext.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest, as
+  measured on this machine when the runtime is set up (`plan_linears`;
+  SHARPDRAFT_LINEAR_PATHS restricts the choice). Autograd, other devices and other dtypes take
+  `F.linear`.
 
 The numbers differ from the Hugging Face forward only by float rounding (tests hold the runtime
 to the SPEC section 6 tolerance against the model's own forward with SDPA and a DynamicCache).
@@ -163,6 +165,8 @@ def _packed_linear(x2d, packed, bias):
 # The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
 # and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32).
 LINEAR_PATHS = ("dense", "onednn", "panel")
+# The panel kernel re-reads x for every panel: past this many rows (a prefill) F.linear runs.
+PANEL_MAX_ROWS = 32
 
 
 def linear_paths() -> tuple:
@@ -206,8 +210,8 @@ def _pack(weight: torch.Tensor, path: str):
 def _run(path: str, x2d, weight, packed, bias):
     if path == "onednn":
         return _packed_linear(x2d, packed, bias)
-    if path == "panel":
-        return ext.packed_linear(x2d, packed, weight.shape[0], bias)
+    if path == "panel":   # the op itself checks its arguments (the wrapper would check twice)
+        return torch.ops.sharpdraft.packed_linear(x2d, packed, weight.shape[0], bias)
     return F.linear(x2d, weight, bias)
 
 
@@ -247,6 +251,8 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         path = self.use_packed[rows > 1]
+        if path == "panel" and rows > PANEL_MAX_ROWS:
+            path = "dense"                     # a prefill: measured at 8 rows, not at these
         if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)
@@ -283,7 +289,7 @@ _PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape a
 
 
 def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
-                 paths: Sequence[str] = LINEAR_PATHS) -> Dict[tuple, tuple]:
+                 paths: Optional[Sequence[str]] = None) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
     `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
     at 1 row and at rows[1] rows (medians of `repeats`, the paths timed in turn), and keep the
@@ -293,11 +299,14 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
     measured hot in cache favours the wrong path (F.linear at one row, on our AVX2 machine).
     Choices are remembered per shape, thread count and path set for the rest of the process.
+    `paths` defaults to `linear_paths()` (SHARPDRAFT_LINEAR_PATHS); "dense" is the fallback of a
+    weight that can take none of them.
 
     Returns:
         {(out_features, in_features, dtype): (path at 1 row, path at more rows)}, paths from
         `LINEAR_PATHS`.
     """
+    paths = tuple(linear_paths() if paths is None else paths)
     plan = {}
     flush = None
     for mod in model.modules():
@@ -311,7 +320,9 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
             plan[key] = known
             continue
         able = [p for p in _paths_for(mod.weight) if p in paths]
-        if able == ["dense"]:
+        if len(able) <= 1:                # nothing to choose: F.linear, or the one path left
+            if able and able[0] != "dense":
+                plan[key] = (able[0], able[0])
             continue
         if flush is None:
             flush = torch.ones(_COLD_BYTES // 4)
@@ -347,7 +358,8 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
     cands = {}                           # (dtype name, path) -> (weight, packed weight)
     for dtype, name in names.items():
         w = w32.to(dtype)
-        cands.update({(name, p): (w, _pack(w, p)) for p in _paths_for(w)})
+        able = [p for p in _paths_for(w) if p in linear_paths()] or ["dense"]
+        cands.update({(name, p): (w, _pack(w, p)) for p in able})
     ms = {name: [] for name in names.values()}
     for m in rows:
         xs = {name: torch.randn(m, w32.shape[1], dtype=dtype) for dtype, name in names.items()}
@@ -363,7 +375,7 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
 def as_packed(linear: nn.Module, plan: Dict[tuple, tuple]) -> nn.Module:
     """`linear` as a `PackedLinear` sharing its parameters where `plan` (see `plan_linears`)
     packs its shape at some row count; else `linear` itself."""
-    if type(linear) is not nn.Linear:
+    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
         return linear
     choice = plan.get((linear.out_features, linear.in_features, linear.weight.dtype))
     return (PackedLinear(linear, choice) if choice and any(p != "dense" for p in choice)
@@ -457,7 +469,7 @@ def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
     if model.config._attn_implementation != "sharp":
         model.set_attn_implementation("sharp")
     set_sharp_config(model, SharpConfig(mode="none"))
-    plan = plan_linears(model, paths=linear_paths()) if pack else {}
+    plan = plan_linears(model) if pack else {}
     packed = pack_linears(model, plan) if plan else 0
     model._sharpdraft_runtime = {"linear_plan": {f"{o}x{i} {str(d)[6:]}": list(p)
                                                  for (o, i, d), p in plan.items()},
