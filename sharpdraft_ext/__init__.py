@@ -18,7 +18,8 @@ from . import reference  # noqa: F401
 from ._ops import HAS_CUDA_KERNELS, ops
 
 __all__ = ["sharp_attention", "sharp_attention_varlen", "visible_counts", "query_scale",
-           "pack_linear_weight", "packed_linear", "panel_width", "reference", "cpu_isa", "HAS_CUDA_KERNELS"]
+           "pack_linear_weight", "packed_linear", "panel_width", "reference", "cpu_isa",
+           "HAS_CUDA_KERNELS"]
 
 _INF = float("inf")
 
