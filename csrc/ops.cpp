@@ -90,8 +90,8 @@ at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double sl
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   check_pack_linear_weight(weight);
   const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), np = cpu::panel_width();
-  at::Tensor packed = at::empty({(n + np - 1) / np, k, np}, w.options());
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor packed = at::empty({cpu::panel_count(n), k, cpu::panel_width()}, w.options());
   cpu::pack_panels(w.data_ptr<float>(), n, k, packed.data_ptr<float>(), parallel_for);
   return packed;
 }

@@ -32,14 +32,13 @@ void run(int64_t n, const ParallelFor& pf, const std::function<void(int64_t, int
 
 int64_t panel_width() { return panel_isa().width; }
 
-int64_t packed_floats(int64_t n, int64_t k) {
-  const int64_t w = panel_width();
-  return (n + w - 1) / w * k * w;
-}
+int64_t panel_count(int64_t n) { return (n + panel_width() - 1) / panel_width(); }
+
+int64_t packed_floats(int64_t n, int64_t k) { return panel_count(n) * k * panel_width(); }
 
 void pack_panels(const float* w, int64_t n, int64_t k, float* packed, const ParallelFor& pf) {
-  const int64_t np = panel_width(), panels = (n + np - 1) / np;
-  run(panels, pf, [&](int64_t begin, int64_t end) {
+  const int64_t np = panel_width();
+  run(panel_count(n), pf, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       float* dst = packed + p * k * np;
       for (int64_t kk = 0; kk < k; ++kk) {
@@ -55,8 +54,9 @@ void pack_panels(const float* w, int64_t n, int64_t k, float* packed, const Para
 void panel_linear(const float* x, int64_t rows, int64_t ldx, const float* packed, int64_t n,
                   int64_t k, const float* bias, float* y, int64_t ldy, const ParallelFor& pf) {
   const PanelIsa& isa = panel_isa();
-  const int64_t np = isa.width, panels = (n + np - 1) / np;
-  run(panels, pf, [&](int64_t begin, int64_t end) {
+  const int64_t np = isa.width;
+  const float* packed_end = packed + packed_floats(n, k);
+  run(panel_count(n), pf, [&](int64_t begin, int64_t end) {
     float bias_tail[kPanelWidthAvx512];  // the last panel's bias, zero padded
     for (int64_t p = begin; p < end; ++p) {
       PanelTask t;
@@ -65,7 +65,7 @@ void panel_linear(const float* x, int64_t rows, int64_t ldx, const float* packed
       t.ldx = ldx;
       t.k = k;
       t.panel = packed + p * k * np;
-      t.end = packed + panels * k * np;
+      t.end = packed_end;
       t.y = y + p * np;
       t.ldy = ldy;
       t.cols = static_cast<int>(n - p * np < np ? n - p * np : np);

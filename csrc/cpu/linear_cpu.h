@@ -21,7 +21,10 @@ namespace cpu {
 // AVX2, 8 otherwise): the packed layout depends on it.
 int64_t panel_width();
 
-// Floats of the packed form of an (n, k) weight: ceil(n / panel_width()) * k * panel_width().
+// Panels of an n-column weight: ceil(n / panel_width()).
+int64_t panel_count(int64_t n);
+
+// Floats of the packed form of an (n, k) weight: panel_count(n) * k * panel_width().
 int64_t packed_floats(int64_t n, int64_t k);
 
 // packed[p][kk][j] = w[(p * panel_width() + j) * k + kk], zero for columns >= n.

@@ -3,7 +3,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <thread>
 #include <vector>
 
 #include "check.h"

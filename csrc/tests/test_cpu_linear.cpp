@@ -33,8 +33,9 @@ void run_case(int64_t rows, int64_t n, int64_t k, bool bias, bool threads) {
         ref += double(x[m * ldx + kk]) * w[j * k + kk];
         mag += std::fabs(double(x[m * ldx + kk]) * w[j * k + kk]);
       }
-      // float32 accumulation of k products: error below k * eps * sum |terms|
-      const double err = std::fabs(y[m * ldy + j] - ref) / (mag * k * 6e-8 + 1e-30);
+      // float32 sum of k products and the bias, in any order: error <= gamma_{k+1} sum |terms|
+      const double n1 = double(k + 1), u = std::ldexp(1.0, -24), gamma = n1 * u / (1 - n1 * u);
+      const double err = std::fabs(y[m * ldy + j] - ref) / (mag * gamma + 1e-300);
       worst = err > worst ? err : worst;
     }
     for (int64_t j = n; j < ldy; ++j) CHECK(y[m * ldy + j] == -7.f);  // nothing past n written
@@ -51,8 +52,9 @@ void run_case(int64_t rows, int64_t n, int64_t k, bool bias, bool threads) {
 int main() {
   std::printf("test_cpu_linear (isa %s, panel width %lld)\n", cpu::isa_name(),
               (long long)cpu::panel_width());
-  CHECK(cpu::packed_floats(50, 7) == (50 + cpu::panel_width() - 1) / cpu::panel_width() * 7 *
-                                         cpu::panel_width());
+  const int64_t width = cpu::panel_width();
+  CHECK(cpu::panel_count(width) == 1 && cpu::panel_count(width + 1) == 2);
+  CHECK(cpu::packed_floats(50, 7) == (50 + width - 1) / width * 7 * width);
   for (int64_t rows : {1, 2, 5, 8, 9, 17}) {
     for (int64_t n : {1, 7, 48, 50, 97}) {
       run_case(rows, n, 37, rows % 2 == 1, n % 2 == 0);

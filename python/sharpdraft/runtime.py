@@ -355,10 +355,11 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
         return torch.float32, {}
     w32 = max(linears, key=lambda m: m.weight.numel()).weight.detach().float()
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    allowed = linear_paths()
     cands = {}                           # (dtype name, path) -> (weight, packed weight)
     for dtype, name in names.items():
         w = w32.to(dtype)
-        able = [p for p in _paths_for(w) if p in linear_paths()] or ["dense"]
+        able = [p for p in _paths_for(w) if p in allowed] or ["dense"]
         cands.update({(name, p): (w, _pack(w, p)) for p in able})
     ms = {name: [] for name in names.values()}
     for m in rows:
