@@ -199,6 +199,51 @@ def test_cached_features_keys_the_folder_by_content_not_by_the_list(tmp_path):
     assert other["folder"] != small["folder"]
 
 
+def test_cache_autocast_is_keyed_apart_and_stays_close_to_float32(tmp_path):
+    """--cache-dtype bfloat16: the train features come from a bfloat16-autocast forward, a
+    different cache folder from float32's, differing from float32 by bfloat16 rounding only."""
+    target = tiny_target()
+    tok = ByteTokenizer()
+    kw = dict(split="train", seq_len=48, topk=4, home=tmp_path, tokens=4 * 48)
+    f32 = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], **kw)
+    b16 = tc.cached_features(target, tok, {"source": "tiny"}, [0, 2], **kw,
+                             autocast=torch.bfloat16)
+    assert b16["folder"] != f32["folder"] and b16["meta"]["autocast"] == "bfloat16"
+    assert "autocast" not in f32["meta"]
+    a = torch.cat([f32["features"][s]["feats"].float() for s in range(len(f32["features"]))])
+    b = torch.cat([b16["features"][s]["feats"].float() for s in range(len(b16["features"]))])
+    assert a.abs().mean() > 1e-3                        # real features, not zeros
+    rel = float((a - b).norm() / a.norm())
+    assert 0 < rel < 0.05                               # autocast ran, and only rounding differs
+    n = len(f32["features"])
+    p32 = torch.cat([f32["features"][s]["top_p"][:, 0].float() for s in range(n)])
+    p16 = torch.cat([b16["features"][s]["top_p"][:, 0].float() for s in range(n)])
+    assert float((p32 - p16).abs().max()) < 0.05
+
+
+def test_fit_autocast_runs_the_loss_in_bfloat16_and_keeps_float32_weights(setup):
+    target, _, _, (train_c, held_c), root = setup
+    drafter = tiny_drafter(target, block_size=4, train_context=96)
+    tr = train_c.load()
+    scale = losses.feature_scale(tr.feature_rows())
+    inner = td.make_loss(drafter, target, tr, blocks=8, gamma=7.0, scale=scale)
+    seen = []
+
+    def loss_fn(gen, frac):
+        seen.append(torch.is_autocast_enabled("cpu") and
+                    torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return inner(gen, frac)
+
+    res = loop.fit(drafter, target, loss_fn,
+                   lambda: td.evaluate(drafter, target, held_c.load(), 8, 7.0, scale=scale),
+                   snapshot=lambda: td.folded_drafter(drafter, scale), autocast=torch.bfloat16,
+                   **fit_kw(root / "dflash-autocast"))
+    assert seen and all(seen)
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())
+    hist = [h["loss"] for h in res["history"]]
+    assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
+
+
 def test_cache_key_ignores_the_dtype_timing_but_not_the_dtype():
     """--dtype auto records its float32 / bfloat16 timings in the target provenance; they vary
     run to run and must not make a new cache folder, while the chosen dtype must."""

@@ -47,20 +47,25 @@ LIST_FIELDS = ("tokens_per_source", "response_tokens", "response_tokens_per_kind
 
 @torch.no_grad()
 def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int,
-                     rows_per_chunk: int = 1024):
+                     rows_per_chunk: int = 1024, autocast: Optional[torch.dtype] = None):
     """One target forward over ids (n, L): (features float16 (n, L, F*H), top-k probs float16
     (n, L, k), top-k ids int32 (n, L, k)); position t's distribution predicts token t + 1.
 
     Only the layers read are kept (forward hooks, not output_hidden_states), and the LM head
-    runs on `rows_per_chunk` rows at a time, so the full (n, L, vocab) logits never exist."""
+    runs on `rows_per_chunk` rows at a time, so the full (n, L, vocab) logits never exist.
+    autocast: run the forward under `torch.autocast` in this dtype (None: the target's own)."""
     last = len(target.get_decoder().layers)
-    with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden:
+    with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden, \
+            torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16,
+                           enabled=autocast is not None):
         target.get_decoder()(input_ids=ids, use_cache=False)
     feats = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).float()
     flat = hidden[last].reshape(-1, hidden[last].shape[-1])
     head = target.get_output_embeddings()
-    tops = [torch.softmax(head(flat[r:r + rows_per_chunk]).float(), dim=-1).topk(topk, dim=-1)
-            for r in range(0, flat.shape[0], rows_per_chunk)]
+    with torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16,
+                        enabled=autocast is not None):
+        tops = [torch.softmax(head(flat[r:r + rows_per_chunk]).float(), dim=-1).topk(topk, dim=-1)
+                for r in range(0, flat.shape[0], rows_per_chunk)]
     p = torch.cat([t.values for t in tops]).view(*ids.shape, topk)
     i = torch.cat([t.indices for t in tops]).view(*ids.shape, topk)
     return (feats.clamp(-65000.0, 65000.0).half(), p.half(), i.int())
@@ -188,7 +193,7 @@ class OnlineFeatures(SequenceFeatures):
 
     def __init__(self, target, sequences: Sequence[Sequence[int]],
                  trained: Sequence[Sequence[bool]], layer_ids: List[int], topk: int,
-                 statistics_sequences: int = 512):
+                 statistics_sequences: int = 512, autocast: Optional[torch.dtype] = None):
         if not sequences:
             raise FileNotFoundError("no training sequences")
         for seq, m in zip(sequences, trained):
@@ -200,13 +205,15 @@ class OnlineFeatures(SequenceFeatures):
         self.lengths = torch.tensor([len(x) for x in self._seqs], dtype=torch.long)
         self.device = next(target.parameters()).device
         self.statistics_sequences = statistics_sequences
+        self.autocast = autocast
 
     def __len__(self) -> int:
         return len(self._seqs)
 
     def __getitem__(self, s: int) -> Dict[str, torch.Tensor]:
         ids = torch.tensor([self._seqs[s]], dtype=torch.long, device=self.device)
-        f, p, i = compute_features(self.target, ids, self.layer_ids, self.topk)
+        f, p, i = compute_features(self.target, ids, self.layer_ids, self.topk,
+                                   autocast=self.autocast)
         return {"ids": ids[0].int(), "feats": f[0], "top_p": p[0], "top_i": i[0],
                 "trained": torch.from_numpy(self._trained[s]).to(self.device)}
 
@@ -246,7 +253,8 @@ class FeatureCache:
 
     def build(self, target, sequences: Sequence[Sequence[int]],
               trained: Sequence[Sequence[bool]], layer_ids: List[int], topk: int, meta: dict,
-              desc: str = "caching target features", progress: bool = True) -> None:
+              desc: str = "caching target features", progress: bool = True,
+              autocast: Optional[torch.dtype] = None) -> None:
         """Compute the missing shards (resumable), then write meta.json. A stored shard whose
         sequences equal, or begin with, the wanted ones (ids and trained flags) is kept.
 
@@ -254,6 +262,7 @@ class FeatureCache:
             sequences: token ids of each sequence (one target forward each).
             trained: per sequence, (T,) bools: which rows are training targets
                 (`trained_rows` of a response mask; all but the last for raw text).
+            autocast: `compute_features`'s (meta should record it: it changes the features).
 
         Raises:
             ValueError: a `trained` entry whose length differs from its sequence's.
@@ -269,7 +278,7 @@ class FeatureCache:
                 part = range(k * SHARD_SEQUENCES, min(len(sequences), (k + 1) * SHARD_SEQUENCES))
                 want = ([sequences[s] for s in part], [trained[s] for s in part])
                 if not self._holds(k, *want):
-                    self._write_shard(k, target, *want, layer_ids, topk)
+                    self._write_shard(k, target, *want, layer_ids, topk, autocast)
                 bar.update(sum(len(sequences[s]) for s in part))
         tmp = self.folder / "meta.json.partial"
         tmp.write_text(json.dumps({**meta, "sequences": len(sequences),
@@ -292,11 +301,11 @@ class FeatureCache:
                 return False
         return True
 
-    def _write_shard(self, k, target, sequences, trained, layer_ids, topk) -> None:
+    def _write_shard(self, k, target, sequences, trained, layer_ids, topk, autocast) -> None:
         parts: Dict[str, list] = {f: [] for f in FIELDS}
         for seq, tr in zip(sequences, trained):        # one sequence per forward: bounded memory
             ids = torch.tensor([list(seq)], dtype=torch.long, device=_device(target))
-            f, p, i = compute_features(target, ids, layer_ids, topk)
+            f, p, i = compute_features(target, ids, layer_ids, topk, autocast=autocast)
             parts["ids"].append(np.asarray(seq, dtype=np.int32))
             parts["feats"].append(f[0].cpu().numpy())
             parts["top_p"].append(p[0].cpu().numpy())
@@ -379,11 +388,13 @@ def cache_key(meta: dict) -> str:
 def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
                     tokens: int, seq_len: int, topk: int, seed: int = 0,
                     corpus: Optional[str] = None, home: Optional[Path] = None,
-                    online: bool = False) -> dict:
+                    online: bool = False, autocast: Optional[torch.dtype] = None) -> dict:
     """Build (once) or reuse the feature cache of one split; returns {"features": FeatureSet
     (on the target's device), "meta", "folder"}. The cache folder is keyed by what determines
     each sequence's features (`cache_key`), under $SHARPDRAFT_HOME/train_cache. online=True
-    stores nothing: "features" is an `OnlineFeatures` and "folder" None."""
+    stores nothing: "features" is an `OnlineFeatures` and "folder" None. autocast: the target
+    forwards run under `torch.autocast` in this dtype (`compute_features`), recorded in the
+    meta as "autocast" and so keyed apart from the target's own precision."""
     from ..models import sharpdraft_home
 
     if corpus:
@@ -392,16 +403,19 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
         seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
     meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
             "topk": topk, "split": split, **meta}
+    if autocast is not None:             # absent for the target's own precision: older keys hold
+        meta["autocast"] = str(autocast).replace("torch.", "")
     meta["fingerprint"] = data.sequences_fingerprint(seqs)
     if online:
         print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
               f"({meta['source']}; features computed online)", file=sys.stderr)
-        return {"features": OnlineFeatures(target, seqs, trained, layer_ids, topk),
+        return {"features": OnlineFeatures(target, seqs, trained, layer_ids, topk,
+                                           autocast=autocast),
                 "meta": {**meta, "online": True}, "folder": None}
     cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / cache_key(meta))
     if not cache.complete(meta["fingerprint"]):
         cache.build(target, seqs, trained, layer_ids, topk, meta,
-                    desc=f"caching {split} features")
+                    desc=f"caching {split} features", autocast=autocast)
     print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
           f"({meta['source']}; cache {cache.folder})", file=sys.stderr)
     return {"features": cache.load(len(seqs)).to(_device(target)), "meta": meta,

@@ -31,7 +31,7 @@ from ..drafters.dflash import (DFlashConfig, DFlashDrafter, default_mask_token_i
                               evenly_spaced_layers)
 from .losses import (agreement_metrics, distill_loss, draft_vocabulary, feature_scale,
                      position_weights, target_to_draft)
-from .loop import (add_common_arguments, add_position_skip_arguments, finish, fit,
+from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, finish, fit,
                    init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
 
@@ -229,6 +229,6 @@ def main(args: argparse.Namespace) -> dict:
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                  seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training dflash",
+                 desc="training dflash", autocast=autocast_dtype(args),
                  snapshot=lambda: folded_drafter(drafter, scale))
     return finish(out, meta, result)

@@ -32,8 +32,8 @@ import torch
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
-from .loop import (add_common_arguments, add_position_skip_arguments, check_window, finish, fit,
-                   init_from_checkpoint, prepare_run, run_meta, skipped_positions)
+from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, check_window,
+                   finish, fit, init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
 
 def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
@@ -193,5 +193,5 @@ def main(args: argparse.Namespace) -> dict:
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                  seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training eagle3")
+                 desc="training eagle3", autocast=autocast_dtype(args))
     return finish(out, meta, result)

@@ -32,8 +32,8 @@ from ..drafters.longspark import LongSparkConfig, LongSparkDrafter
 from .dflash import sample_anchors
 from .losses import (agreement_metrics, draft_vocabulary, feature_scale, l1_distance,
                      position_weights, target_to_draft)
-from .loop import (add_common_arguments, finish, fit, init_from_checkpoint, prepare_run,
-                   run_meta)
+from .loop import (add_common_arguments, autocast_dtype, finish, fit, init_from_checkpoint,
+                   prepare_run, run_meta)
 
 
 def round_rows(seq: dict, anchors: torch.Tensor, num_drafts: int) -> tuple:
@@ -184,5 +184,5 @@ def main(args: argparse.Namespace) -> dict:
                  steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark")
+                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark", autocast=autocast_dtype(args))
     return finish(out, meta, result)

@@ -29,8 +29,8 @@ from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
 from .eagle3 import window_start
 from .losses import copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft
-from .loop import (add_common_arguments, check_window, finish, fit, init_from_checkpoint,
-                   prepare_run, run_meta)
+from .loop import (add_common_arguments, autocast_dtype, check_window, finish, fit,
+                   init_from_checkpoint, prepare_run, run_meta)
 
 
 def _window(seq: dict, off: int, W: int, t2d):
@@ -156,5 +156,5 @@ def main(args: argparse.Namespace) -> dict:
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                  seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training pard")
+                 desc="training pard", autocast=autocast_dtype(args))
     return finish(out, meta, result)
