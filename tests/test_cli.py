@@ -167,6 +167,15 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
     assert saved["settings"]["target_dtype"] == "float32"
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
+    # the weights benched are named by content: the same module twice gives one digest, and
+    # a change of one weight (by hand, independent of the digest code) gives another
+    from sharpdraft.bench import weights_sha256
+    digest = saved["settings"]["drafter_sha256"]
+    assert digest["eagle3-chain"] == digest["eagle3-tree"] == weights_sha256(drafter)
+    assert len(digest["eagle3-chain"]) == 64
+    with torch.no_grad():
+        next(drafter.parameters()).view(-1)[0] += 1.0
+    assert weights_sha256(drafter) != digest["eagle3-chain"]
 
 
 @pytest.mark.parametrize("flag", ["--prompt-file", "--context-file"])

@@ -10,6 +10,7 @@ tau_vs_context.png.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -106,6 +107,17 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     return prompts
 
 
+def weights_sha256(module: torch.nn.Module) -> str:
+    """Hex sha256 of a module's state (each entry's name, dtype, shape and bytes, in order): which
+    weights a benchmark ran, whatever folder they were loaded from."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def decode(target, drafter, ids: torch.Tensor, max_new_tokens: int, *, tree: bool = False,
            draft_threshold: float = 0.0, **kwargs) -> GenerationResult:
     """Speculative decoding with `drafter`: tree drafting (EAGLE-3) or chain drafting."""
@@ -170,7 +182,8 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             "variants": list(variants), "draft_threshold": draft_threshold,
             "context_window": {label: d.context_window for label, (d, _) in variants.items()},
             "max_drafts": {label: (d.config.tree_tokens if tree else d.max_drafts)
-                           for label, (d, tree) in variants.items()}}
+                           for label, (d, tree) in variants.items()},
+            "drafter_sha256": {label: weights_sha256(d) for label, (d, _) in variants.items()}}
     (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
     (out_dir / "bench.md").write_text(markdown_table(rows, meta))
     plot_tau(rows, meta["variants"], out_dir / "tau_vs_context.png")
