@@ -229,6 +229,6 @@ def main(args: argparse.Namespace) -> dict:
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                  seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training dflash", autocast=autocast_dtype(args),
+                 desc="training dflash", autocast=autocast_dtype(args.autocast),
                  snapshot=lambda: folded_drafter(drafter, scale))
     return finish(out, meta, result)

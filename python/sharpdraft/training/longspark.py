@@ -184,5 +184,6 @@ def main(args: argparse.Namespace) -> dict:
                  steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
                  out=out, save_dtype=getattr(torch, args.save_dtype),
                  max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark", autocast=autocast_dtype(args))
+                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark",
+                 autocast=autocast_dtype(args.autocast))
     return finish(out, meta, result)

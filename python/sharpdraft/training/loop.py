@@ -72,7 +72,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
     p.add_argument("--autocast", choices=["off", "bfloat16"], default="off",
                    help="run each training step's forward under torch.autocast in this dtype "
                         "(float32 weights, gradients and AdamW state; bfloat16 matmuls): "
-                        "faster where the CPU has AMX or AVX-512 BF16, or on a GPU; held-out "
+                        "faster where the CPU has AMX (measured there) or on a GPU; held-out "
                         "evaluations stay float32")
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="precision of the target forwards that fill the train split's feature "
@@ -173,11 +173,10 @@ def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
         raise SystemExit(f"--seq-len must be >= 16, got {args.seq_len}")
     kw = dict(seq_len=args.seq_len, topk=args.topk, seed=args.seed, corpus=args.corpus,
               online=getattr(args, "online_features", False))
-    compute = getattr(args, "cache_dtype", "float32")
     try:
         train = cached_features(target, tokenizer, provenance, layer_ids, split="train",
                                 tokens=args.tokens, **kw,
-                                autocast=None if compute == "float32" else getattr(torch, compute))
+                                autocast=autocast_dtype(getattr(args, "cache_dtype", "float32")))
         held = cached_features(target, tokenizer, provenance, layer_ids, split="heldout",
                                tokens=args.eval_tokens,
                                **{**kw, "corpus": getattr(args, "eval_corpus", None)
@@ -187,10 +186,9 @@ def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
     return train, held
 
 
-def autocast_dtype(args) -> Optional[torch.dtype]:
-    """The dtype of --autocast (None: off)."""
-    name = getattr(args, "autocast", "off")
-    return None if name == "off" else getattr(torch, name)
+def autocast_dtype(name: str) -> Optional[torch.dtype]:
+    """The autocast dtype of a --autocast or --cache-dtype value (None: "off" or "float32")."""
+    return None if name in ("off", "float32") else getattr(torch, name)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
