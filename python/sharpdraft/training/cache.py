@@ -22,6 +22,7 @@ with) the wanted shard's, so growing a corpus only computes the new conversation
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -45,6 +46,14 @@ LIST_FIELDS = ("tokens_per_source", "response_tokens", "response_tokens_per_kind
                "sequences", "rows")
 
 
+def autocast_to(device_type: str, dtype: Optional[torch.dtype]):
+    """`torch.autocast(device_type, dtype)`, or a context that changes nothing when dtype is
+    None (the modules' own precision)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
 @torch.no_grad()
 def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int,
                      rows_per_chunk: int = 1024, autocast: Optional[torch.dtype] = None):
@@ -55,17 +64,14 @@ def compute_features(target, ids: torch.Tensor, layer_ids: List[int], topk: int,
     runs on `rows_per_chunk` rows at a time, so the full (n, L, vocab) logits never exist.
     autocast: run the forward under `torch.autocast` in this dtype (None: the target's own)."""
     last = len(target.get_decoder().layers)
-    with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden, \
-            torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16,
-                           enabled=autocast is not None):
-        target.get_decoder()(input_ids=ids, use_cache=False)
-    feats = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).float()
-    flat = hidden[last].reshape(-1, hidden[last].shape[-1])
     head = target.get_output_embeddings()
-    with torch.autocast(ids.device.type, dtype=autocast or torch.bfloat16,
-                        enabled=autocast is not None):
+    with autocast_to(ids.device.type, autocast):
+        with captured_hidden_states(target, [i + 1 for i in layer_ids] + [last]) as hidden:
+            target.get_decoder()(input_ids=ids, use_cache=False)
+        flat = hidden[last].reshape(-1, hidden[last].shape[-1])
         tops = [torch.softmax(head(flat[r:r + rows_per_chunk]).float(), dim=-1).topk(topk, dim=-1)
                 for r in range(0, flat.shape[0], rows_per_chunk)]
+    feats = torch.cat([hidden[i + 1] for i in layer_ids], dim=-1).float()
     p = torch.cat([t.values for t in tops]).view(*ids.shape, topk)
     i = torch.cat([t.indices for t in tops]).view(*ids.shape, topk)
     return (feats.clamp(-65000.0, 65000.0).half(), p.half(), i.int())

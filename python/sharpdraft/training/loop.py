@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .cache import cached_features
+from .cache import autocast_to, cached_features
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
@@ -293,8 +293,7 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
         time_frac = (time.time() - t0) / max_seconds if max_seconds else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup, time_frac)
-        with torch.autocast(device_type, dtype=autocast or torch.bfloat16,
-                            enabled=autocast is not None):
+        with autocast_to(device_type, autocast):
             loss, extra = loss_fn(gen, min(1.0, max(step / steps, time_frac)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
