@@ -169,6 +169,65 @@ def test_ttt_forward_matches_chain_inference(target, skip):
         torch.testing.assert_close(plain[0][:4], ttt[0][:4], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "context-window"])
+def test_ttt_forward_on_listed_rows_equals_the_full_forward(target, window):
+    """`ttt_logits(rows=...)` drafts only the listed rows: depth d returns the listed rows below
+    T - 1 - d, and each equals the full forward's row (every row still a depth-0 key), with
+    skipped positions and with a context window."""
+    drafter = tiny_eagle3(target)
+    drafter.context_window = window
+    ids = prompt_of(15, 4)[0]
+    positions = torch.arange(15) + 200 * (torch.arange(15) >= 6)
+    rows = torch.tensor([1, 4, 5, 9, 12, 13])
+    with torch.no_grad():
+        feats = drafter.context_features(target(ids[None], output_hidden_states=True)
+                                         .hidden_states)[0]
+        full = drafter.ttt_logits(target, feats, ids, 3, positions)
+        part = drafter.ttt_logits(target, feats, ids, 3, positions, rows)
+    for d in range(3):
+        kept = rows[rows < 14 - d]
+        assert part[d].shape == (kept.numel(), full[d].shape[1])
+        torch.testing.assert_close(part[d], full[d][kept], rtol=1e-5, atol=1e-5)
+    assert [p.shape[0] for p in part] == [6, 5, 4]          # row 13 stops at depth 0, 12 at 1
+    for bad in (torch.tensor([3, 2]), torch.tensor([0, 14]), torch.tensor([-1, 2])):
+        with pytest.raises(ValueError, match="rows"):
+            drafter.ttt_logits(target, feats, ids, 3, rows=bad)
+
+
+def test_trained_only_losses_equal_the_full_losses(target):
+    """The recipe's trained-rows-only forward gives the full forward's losses on every valid row
+    (prompt rows in between, a gap in the response) and the same gradient of the step loss."""
+    from sharpdraft.training import eagle3 as te
+    drafter = tiny_eagle3(target).train()
+    ids = prompt_of(24, 5)[0]
+    with torch.no_grad():
+        feats = drafter.context_features(target(ids[None], output_hidden_states=True)
+                                         .hidden_states)[0]
+        logits = target(ids[None]).logits[0].softmax(-1)
+    top_p, top_i = logits.topk(8, dim=-1)
+    trained = torch.zeros(24, dtype=torch.bool)
+    trained[9:15] = trained[18:] = True
+    seq = {"ids": ids.int(), "feats": feats, "top_p": top_p / top_p.sum(-1, keepdim=True),
+           "top_i": top_i.int(), "trained": trained}
+    cols = torch.arange(feats.shape[1])
+    grads = []
+    for only in (False, True):
+        drafter.zero_grad()
+        per = te.depth_losses(drafter, target, seq, 0, 24, 3, cols, None, trained_only=only)
+        loss = sum(te.masked_mean(ce, v) for ce, v, _, _ in per)
+        loss.backward()
+        grads.append(drafter.fc.weight.grad.clone())
+        if not only:
+            full = [ce[v] for ce, v, _, _ in per]
+            assert sum(int((~v).sum()) for _, v, _, _ in per) > 0       # prompt rows were drafted
+        else:      # rows t with a trained target among t + 1 .. t + 3: 6 .. 13 and 15 .. 22
+            assert [ce.shape[0] for ce, _, _, _ in per] == [16, 15, 14]
+            for d, (ce, v, _, _) in enumerate(per):
+                torch.testing.assert_close(ce[v].detach(), full[d].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    assert float(grads[0].abs().sum()) > 0
+
+
 def test_ttt_forward_with_a_context_window_matches_the_windowed_session(target):
     """With context_window W the training-time test's depth d at row t equals the session's
     d-th chain draft after the committed prefix t + 1 (the drafts being the true tokens), and

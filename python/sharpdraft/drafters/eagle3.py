@@ -184,7 +184,8 @@ class Eagle3Drafter(Drafter):
 
     # ----- training -----------------------------------------------------------------------------
     def ttt_logits(self, target, features: torch.Tensor, ids: torch.Tensor,
-                   steps: int, positions: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+                   steps: int, positions: Optional[torch.Tensor] = None,
+                   rows: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Training-time test over one sequence: logits of `steps` drafting depths.
 
         Args:
@@ -193,38 +194,58 @@ class Eagle3Drafter(Drafter):
             steps: drafting depths simulated (>= 1).
             positions: (T,) increasing RoPE position ids of the rows (None: 0 .. T - 1); depth
                 d of row t sits at positions[t] + d, as its chain draft would.
+            rows: None (every row) or a sorted (R,) int64 tensor of the rows t whose drafts
+                are wanted. Every row still serves as a depth-0 key; only the rows listed are
+                carried through the layer's output, the deeper depths and the LM head, which
+                is what a loss on a few trained rows needs (their logits equal the full
+                computation's, up to float rounding).
 
         Returns:
-            list over d = 0 .. steps - 1 of (T - 1 - d, V) float32 logits over the draft
-            vocabulary: row t of depth d predicts the token at position t + d + 2 (its target is
-            the target's distribution at position t + d + 1).
+            list over d = 0 .. steps - 1 of float32 logits over the draft vocabulary, one row per
+            t in 0 .. T - 2 - d (rows None) or per listed t < T - 1 - d: row t of depth d
+            predicts the token at position t + d + 2 (its target is the target's distribution
+            at position t + d + 1).
         """
         T = ids.shape[0]
         if steps < 1 or steps > T - 1:
             raise ValueError(f"steps must lie in [1, {T - 1}], got {steps}")
         emb = target.get_input_embeddings()
-        rows = T - 1                                     # row t needs x_{t+1}
-        pos = (torch.arange(rows, device=ids.device) if positions is None
-               else positions[:rows].to(ids.device))[None]
-        hidden = self.fuse(features[None, :rows])
+        n0 = T - 1                                       # row t needs x_{t+1}
+        pos = (torch.arange(n0, device=ids.device) if positions is None
+               else positions[:n0].to(ids.device))[None]
+        sel = (torch.arange(n0, device=ids.device) if rows is None
+               else rows.to(ids.device, torch.long))
+        if rows is not None and sel.numel() and (int(sel.min()) < 0 or int(sel.max()) >= n0
+                                                 or bool((sel[1:] <= sel[:-1]).any())):
+            raise ValueError(f"rows must be sorted distinct row indices in [0, {n0}), got "
+                             f"{sel.tolist()[:8]}")
+        hidden = self.fuse(features[None, :n0])
+        key_ids = torch.arange(n0, device=ids.device)
         keys, values, out = [], [], []
         for d in range(steps):
-            n = rows - d                                  # rows whose token x_{t+1+d} exists
-            x = self._layer_in(emb(ids[None, 1 + d:]), hidden[:, :n])
-            q, k, v = self.self_attn.qkv(x, self.rotary_emb(x, pos[:, :n] + d))
+            n = n0 - d                                   # rows whose token x_{t+1+d} exists
+            cur = sel[sel < n]                           # a prefix of sel (sel is sorted)
+            m = cur.numel()
+            if d == 0:       # every row is a key; only the wanted rows query
+                x = self._layer_in(emb(ids[None, 1:]), hidden)
+                q, k, v = self.self_attn.qkv(x, self.rotary_emb(x, pos))
+                q, h_in = (q, hidden) if rows is None else (q[:, :, cur], hidden[:, cur])
+            else:            # row t's depth d - 1 output, the token d places further
+                h_in = hidden[:, :m]
+                x = self._layer_in(emb(ids[None, 1 + d + cur]), h_in)
+                q, k, v = self.self_attn.qkv(x, self.rotary_emb(x, pos[:, cur] + d))
             keys.append(k)
             values.append(v)
             # visible: step-0 keys at index <= t, then this row's own step 1 .. d keys
-            t = torch.arange(n, device=ids.device)
-            vis0 = t[None, :] <= t[:, None]
+            vis0 = key_ids[None, :n] <= cur[:, None]
             if self.context_window is not None:   # as chain inference: context >= t + d - W
-                vis0 &= t[None, :] >= t[:, None] + d - self.context_window
-            diag = torch.eye(n, dtype=torch.bool, device=ids.device)
+                vis0 &= key_ids[None, :n] >= cur[:, None] + d - self.context_window
+            diag = torch.eye(m, dtype=torch.bool, device=ids.device)
             mask = torch.cat([vis0] + [diag] * d, dim=1)
-            kk = torch.cat([kd[:, :, :n] for kd in keys], dim=2)
-            vv = torch.cat([vd[:, :, :n] for vd in values], dim=2)
+            kk = torch.cat([keys[0][:, :, :n]] + [kd[:, :, :m] for kd in keys[1:]], dim=2)
+            vv = torch.cat([values[0][:, :, :n]] + [vd[:, :, :m] for vd in values[1:]], dim=2)
             o = attend(q, kk, vv, self.sharp, layer=0, module=self.self_attn, attn_mask=mask)
-            normed, hidden = self._layer_out(hidden[:, :n], self.self_attn.out(o))
+            normed, hidden = self._layer_out(h_in, self.self_attn.out(o))
             out.append(self.head(target, normed[0]))
         return out
 
