@@ -83,6 +83,47 @@ def test_training_forward_equals_inference(target, window):
                                        atol=1e-4)
 
 
+def test_trained_keep_by_hand():
+    """C = 3 copies, targets 3 and 4 trained: copy 1 keeps rows 2 .. 4 (a trained target at p or
+    p + 1), copy 2 only row 3 and 4 (its own target), copy 0 keeps everything."""
+    from sharpdraft.training.pard import trained_keep
+    keep = torch.ones(3, 7, dtype=torch.bool)
+    trained = torch.tensor([0, 0, 0, 1, 1, 0, 0], dtype=torch.bool)
+    got = trained_keep(keep, trained)
+    assert got[0].all()
+    assert got[1].nonzero().flatten().tolist() == [2, 3, 4]
+    assert got[2].nonzero().flatten().tolist() == [3, 4]
+
+
+def test_trained_rows_loss_equals_the_full_loss(target):
+    """The recipe's trimmed forward (mask-copy rows without a trained target dropped, the LM
+    head on trained rows only) gives the full forward's logits on every trained row, so the
+    same per-copy losses and gradient."""
+    from sharpdraft.training.pard import copy_rows, trained_keep
+    drafter = tiny_pard(target, num_draft_tokens=4).train()
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(8))
+    trained = torch.zeros(30, dtype=torch.bool)
+    trained[12:20] = trained[24:29] = True
+    keep = conditional_keep(4, 30, 0.8, torch.Generator().manual_seed(1))
+    full = drafter.train_logits(target, ids, keep)
+    pos, copy = copy_rows(keep)
+    want_full = full[trained[pos]]
+    trimmed = trained_keep(keep, trained)
+    assert int(trimmed.sum()) < int(keep.sum())
+    wanted = trimmed & trained[None, :]
+    part = drafter.train_logits(target, ids, trimmed, wanted)
+    torch.testing.assert_close(part, want_full, rtol=1e-5, atol=1e-5)
+    g = []
+    for lg in (want_full, part):
+        drafter.zero_grad()
+        lg.logsumexp(-1).sum().backward(retain_graph=True)
+        g.append(drafter.layers[0].mlp.down_proj.weight.grad.clone())
+    torch.testing.assert_close(g[1], g[0], rtol=1e-4, atol=1e-6)
+    assert float(g[0].abs().sum()) > 0
+    with pytest.raises(ValueError, match="wanted"):
+        drafter.train_logits(target, ids, trimmed, keep)
+
+
 @pytest.mark.parametrize("sharp", ["none", "fixed_slope"])
 def test_greedy_is_token_identical_to_target_greedy(target, sharp):
     drafter = tiny_pard(target, num_draft_tokens=5)

@@ -173,24 +173,35 @@ class PARDDrafter(Drafter):
                       use_cache=cache is not None, sharp_config=self.sharp)
         return self.norm(x)
 
-    def train_logits(self, target, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def train_logits(self, target, ids: torch.Tensor, keep: torch.Tensor,
+                     wanted: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Training forward over the kept rows of the copies of one sequence.
 
         Args:
             ids: (T,) int64 token ids. keep: (C, T) bool (see `conditional_keep`).
+            wanted: None (every kept row) or (C, T) bool, a subset of keep: the rows whose
+                logits are returned (the others still run as keys; the LM head skips them).
 
         Returns:
-            (R, V) float32 logits over the draft vocabulary, R = keep.sum(), copy-major; row
-            (j, p) predicts the token at position p + 1.
+            (R, V) float32 logits over the draft vocabulary, R = wanted.sum() (default
+            keep.sum()), copy-major; row (j, p) predicts the token at position p + 1.
+
+        Raises:
+            ValueError: wanted has another shape than keep or holds a row keep drops.
         """
         C, T = keep.shape
         keep = keep.to(ids.device)
+        if wanted is not None:
+            wanted = wanted.to(ids.device)
+            if wanted.shape != keep.shape or bool((wanted & ~keep).any()):
+                raise ValueError(f"wanted must be a ({C}, {T}) bool subset of keep, got shape "
+                                 f"{tuple(wanted.shape)}")
         rows_ids = ids[None, :].expand(C, T)[keep]
         is_mask = (torch.arange(C, device=ids.device)[:, None].expand(C, T) > 0)[keep]
         pos = torch.arange(T, device=ids.device)[None, :].expand(C, T)[keep]
         mask = parallel_draft_mask(keep, self.context_window)[None, None]
         h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
-        return self.head(target, h[0])
+        return self.head(target, h[0] if wanted is None else h[0, wanted[keep]])
 
     # ----- inference sessions (see drafters.base) --------------------------------------------
     @property

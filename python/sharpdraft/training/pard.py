@@ -12,7 +12,8 @@ Recipe:
    Conditional token drop keeps copy j's row with probability ``--keep-rate`` given its
    ancestor row, so copy j holds about keep_rate^j of the rows. Soft cross-entropy against the
    target's renormalised top-k distribution on trained rows, averaged per copy, copies weighted
-   equally.
+   equally. Mask-copy rows that neither have a trained target nor lead to one are dropped and
+   the LM head runs on trained rows only (`trained_keep`; the same loss).
 4. Every ``--eval-every`` steps: held-out top-1 agreement with the target per draft position and
    the acceptance proxy tau ~ 1 + E[leading agreeing drafts] on the last ``window`` tokens of
    every held-out sequence; the best checkpoint is kept.
@@ -45,6 +46,24 @@ def copy_rows(keep: torch.Tensor):
     them."""
     C, T = keep.shape
     return (torch.arange(T)[None].expand(C, T)[keep], torch.arange(C)[:, None].expand(C, T)[keep])
+
+
+def trained_keep(keep: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """keep (C, T) without the mask-copy rows that neither have a trained target nor lead to one:
+    copy j >= 1 keeps row p only if a target among p .. p + C - 1 - j is trained (row p's own
+    and its descendants' (j + i, p + i)). The dropped rows are no ancestors of a kept row and
+    no keys of other anchors, so the loss on trained rows is unchanged; copy 0 stays whole
+    (every real token is a key)."""
+    C, T = keep.shape
+    keep = keep.to(trained.device)
+    ahead = torch.zeros(C, T, dtype=torch.bool, device=trained.device)
+    ahead[C - 1] = trained
+    for j in range(C - 2, -1, -1):       # trained target at p .. p + C - 1 - j
+        ahead[j] = trained
+        ahead[j, :T - 1] |= ahead[j + 1, 1:]
+    out = keep & ahead
+    out[0] = keep[0]
+    return out
 
 
 @torch.no_grad()
@@ -105,13 +124,12 @@ def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: fl
         W = min(window, seq["ids"].shape[0])
         ids, top_p, top_d, _, trained = _window(seq, window_start(seq["trained"], W, gen), W,
                                                 t2d)
-        keep = conditional_keep(k, W, keep_rate, gen)
-        pos, copy = copy_rows(keep)
-        v = trained[pos]
-        logits = drafter.train_logits(target, ids, keep)
-        per_copy = copy_losses(soft_cross_entropy(logits[v], top_p[pos][v], top_d[pos][v]),
-                               copy[v], k)
-        return per_copy[~per_copy.isnan()].mean(), {"rows": int(v.sum())}
+        keep = trained_keep(conditional_keep(k, W, keep_rate, gen), trained)
+        wanted = keep & trained[None, :]
+        pos, copy = copy_rows(wanted)
+        logits = drafter.train_logits(target, ids, keep, wanted)
+        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
+        return per_copy[~per_copy.isnan()].mean(), {"rows": int(wanted.sum())}
     return loss_fn
 
 
