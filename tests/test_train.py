@@ -423,6 +423,13 @@ def test_pard_recipe_lowers_loss_and_checkpoint_drafts(setup):
             == autoregressive_generate(target, prompt, 12).tokens)
 
 
+def test_trained_ahead_by_hand():
+    t = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.bool)
+    assert losses.trained_ahead(t, 1).tolist() == t.tolist()
+    assert losses.trained_ahead(t, 2).int().tolist() == [1, 1, 0, 1, 1, 0]
+    assert losses.trained_ahead(t, 10).int().tolist() == [1, 1, 1, 1, 1, 0]
+
+
 def test_copy_losses_by_hand():
     ce = torch.tensor([1.0, 3.0, 2.0, 4.0, 6.0])
     got = losses.copy_losses(ce, torch.tensor([0, 0, 1, 2, 2]), 4)

@@ -33,7 +33,8 @@ import torch
 
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .losses import draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft
+from .losses import (draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft,
+                     trained_ahead)
 from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, check_window,
                    finish, fit, init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
@@ -72,10 +73,7 @@ def depth_losses(drafter: Eagle3Drafter, target, seq: dict, off: int, window: in
     T = ids.shape[0]
     rows = None
     if trained_only:     # row t is wanted when any of its targets t + 1 .. t + steps is trained
-        hit = torch.zeros(T - 1, dtype=torch.bool, device=trained.device)
-        for d in range(steps):
-            hit[:T - 1 - d] |= trained[1 + d:]
-        rows = torch.nonzero(hit).flatten()
+        rows = torch.nonzero(trained_ahead(trained[1:], steps)).flatten()
     out = []
     for d, lg in enumerate(drafter.ttt_logits(target, feats, ids, steps, positions, rows)):
         at = (torch.arange(1 + d, 1 + d + lg.shape[0], device=ids.device) if rows is None

@@ -89,6 +89,16 @@ def copy_losses(ce: torch.Tensor, copy: torch.Tensor, num_copies: int) -> torch.
     return total / count
 
 
+def trained_ahead(trained: torch.Tensor, span: int) -> torch.Tensor:
+    """(T,) bool: row p has a trained row among p .. p + span - 1 (rows past the end count as
+    untrained). The rows a multi-token loss needs: a draft whose own target or a later draft's
+    target in its chain is trained."""
+    out = trained.clone()
+    for i in range(1, span):
+        out[:-i] |= trained[i:]
+    return out
+
+
 def draft_vocabulary(features, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target ids the drafter may propose, sorted: the most frequent in the cached
     sequences (a `FeatureSet`, or any iterable of dicts with "ids", "top_i", "top_p"), counting

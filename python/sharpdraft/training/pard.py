@@ -29,7 +29,8 @@ import torch
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
 from .eagle3 import window_start
-from .losses import copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft
+from .losses import (copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft,
+                     trained_ahead)
 from .loop import (add_common_arguments, autocast_dtype, check_window, finish, fit,
                    init_from_checkpoint, prepare_run, run_meta)
 
@@ -54,15 +55,10 @@ def trained_keep(keep: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     and its descendants' (j + i, p + i)). The dropped rows are no ancestors of a kept row and
     no keys of other anchors, so the loss on trained rows is unchanged; copy 0 stays whole
     (every real token is a key)."""
-    C, T = keep.shape
-    keep = keep.to(trained.device)
-    ahead = torch.zeros(C, T, dtype=torch.bool, device=trained.device)
-    ahead[C - 1] = trained
-    for j in range(C - 2, -1, -1):       # trained target at p .. p + C - 1 - j
-        ahead[j] = trained
-        ahead[j, :T - 1] |= ahead[j + 1, 1:]
-    out = keep & ahead
-    out[0] = keep[0]
+    C = keep.shape[0]
+    out = keep.to(trained.device).clone()
+    for j in range(1, C):                # a trained target at p .. p + C - 1 - j
+        out[j] &= trained_ahead(trained, C - j)
     return out
 
 
