@@ -14,9 +14,11 @@
 # the corpus, in corpus order; default all), LR_SCALE (default 1: multiplies each drafter's peak
 # learning rate below; continuations of trained weights use 0.5), SEED (default 0: which windows
 # and anchors are drawn), CACHE_DTYPE (default float32; bfloat16 fills the train cache under
-# autocast, about 1.6x faster on an AMX CPU), AUTOCAST (default off; bfloat16 runs each training
-# step under autocast: 1.6-1.7x faster EAGLE-3 and PARD steps on an AMX CPU, about the same for
-# DFlash). The feature cache is built once (under
+# autocast, about 1.6x faster on an AMX CPU and 4.4x slower on an AVX2-only one), AUTOCAST
+# (default off; bfloat16 runs each training step under autocast: 1.6-1.7x faster EAGLE-3 and PARD
+# steps on an AMX CPU, about the same for DFlash). auto, for either, measures this machine
+# (bfloat16 where it is faster); the defaults stay float32 / off so that the commands of earlier
+# stages run as they did. The feature cache is built once (under
 # $SHARPDRAFT_HOME/train_cache) and shared by every drafter; a grown corpus caches only its new
 # conversations.
 set -euo pipefail

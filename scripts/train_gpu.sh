@@ -14,6 +14,9 @@
 # python/sharpdraft/checkpoints), THREADS (host threads, default 8), MAX_NEW_TOKENS (response
 # cap, default 256). DEVICE=cpu with small TOKENS, BATCH and MINUTES runs the same steps on a
 # CPU machine (a check of the recipe, not a training run).
+# Training steps and the target forwards that feed them run under bfloat16 autocast where a
+# measurement on the device finds it faster (--autocast auto --cache-dtype auto; the choice and
+# its timings land in training.json).
 # The CUDA kernel runs bfloat16 and float16 only, so the target generates in bfloat16: this is
 # a corpus of its own (not a continuation of the float32 corpus/ of the CPU recipe).
 # Every run is evaluated on the held-out split of the repository's corpus/ (documents no corpus
@@ -56,7 +59,7 @@ for d in $DRAFTERS; do
   sharpdraft train "$d" --corpus "$OUT/corpus" --eval-corpus corpus --tokens 1000000000 \
     --eval-tokens 8192 \
     --seq-len 1024 --steps 1000000 --warmup 30 --eval-every 250 --max-minutes "$MINUTES" \
-    --device "$DEVICE" --online-features --threads "$THREADS" \
+    --device "$DEVICE" --online-features --threads "$THREADS" --autocast auto --cache-dtype auto \
     --init-from "$INIT/$d-smollm2" ${EXTRA[$d]} --out "$OUT/$d-smollm2-gpu" \
     2>&1 | tee "$OUT/train_$d.log" | tail -n 12
   echo "$d: $(( $(date +%s) - t0 )) s"

@@ -244,6 +244,33 @@ def test_fit_autocast_runs_the_loss_in_bfloat16_and_keeps_float32_weights(setup)
     assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
 
 
+def test_choose_autocast_picks_the_precision_it_measured_faster():
+    """--autocast auto / --cache-dtype auto: both precisions are timed, and bfloat16 autocast
+    is chosen exactly when its median is the lower one."""
+    from sharpdraft.runtime import choose_autocast
+
+    dtype, ms = choose_autocast(tiny_target(), rows=64, repeats=3)
+    assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
+    assert (dtype is torch.bfloat16) == (ms["bfloat16"] < ms["float32"])
+    assert dtype in (None, torch.bfloat16)
+
+
+def test_resolve_precision_replaces_auto_only_and_records_the_timings():
+    import argparse
+
+    args = argparse.Namespace(autocast="auto", cache_dtype="float32")
+    loop.resolve_precision(args, tiny_target())
+    bf16 = args.precision_rule_ms["bfloat16"] < args.precision_rule_ms["float32"]
+    assert args.autocast == ("bfloat16" if bf16 else "off")
+    assert args.cache_dtype == "float32"                      # not "auto": left alone
+    fixed = argparse.Namespace(autocast="off", cache_dtype="bfloat16")
+    loop.resolve_precision(fixed, tiny_target())
+    assert vars(fixed) == {"autocast": "off", "cache_dtype": "bfloat16"}   # nothing measured
+    with pytest.raises(ValueError, match="resolve_precision"):
+        loop.autocast_dtype("auto")
+    assert loop.autocast_dtype("off") is None and loop.autocast_dtype("bfloat16") is torch.bfloat16
+
+
 def test_cache_key_ignores_the_dtype_timing_but_not_the_dtype():
     """--dtype auto records its float32 / bfloat16 timings in the target provenance; they vary
     run to run and must not make a new cache folder, while the chosen dtype must."""
@@ -421,6 +448,21 @@ def test_pard_recipe_lowers_loss_and_checkpoint_drafts(setup):
     prompt = torch.tensor([seqs[0][:20]])
     assert (speculative_generate(target, loaded, prompt, 12).tokens
             == autoregressive_generate(target, prompt, 12).tokens)
+
+
+def test_decoding_walk_by_hand():
+    """A step at row t commits runs[t] + 1 tokens and the next starts there; rows that may not
+    start a step (prompt) are skipped."""
+    runs = torch.tensor([2, 0, 1, 0, 3, 0, 0, 0])
+    yes = torch.ones(8, dtype=torch.bool)
+    assert losses.decoding_walk(runs, yes).tolist() == [3.0, 1.0, 4.0]
+    assert losses.decoding_walk(runs, torch.tensor([0, 1, 1, 1, 1, 1, 1, 1]).bool()
+                                ).tolist() == [1.0, 2.0, 4.0]
+    assert losses.decoding_walk(runs, torch.tensor([1, 1, 1, 0, 1, 1, 1, 1]).bool()
+                                ).tolist() == [3.0, 4.0]
+    assert losses.decoding_walk(runs, ~yes).numel() == 0
+    # every row is committed by exactly one step when steps may start anywhere
+    assert float(losses.decoding_walk(runs, yes).sum()) == runs.numel()
 
 
 def test_trained_ahead_by_hand():

@@ -373,6 +373,42 @@ def choose_dtype(model: nn.Module, rows=(1, 8), repeats: int = 9) -> tuple:
     return (torch.bfloat16 if faster else torch.float32), ms
 
 
+def choose_autocast(model: nn.Module, rows: int = 512, repeats: int = 5) -> tuple:
+    """The measured rule behind training's `--autocast auto` and `--cache-dtype auto`: bfloat16
+    autocast only where the model's largest decoder linear, at `rows` rows (a training window
+    or a cache-filling forward), runs faster under `torch.autocast(bfloat16)` than in float32,
+    on the device holding the model (medians of `repeats`, timed in turn; the autocast call
+    includes casting the float32 weight, as a training step does).
+
+    Measured (README, "An AVX2-only CPU"): target forwards under bfloat16 autocast are about
+    1.6x faster than float32 on a CPU with AMX and 4.4x slower on a CPU with AVX2 only, where
+    bfloat16 matmuls are emulated.
+
+    Returns:
+        (torch.bfloat16, or None for no autocast; {"float32": ms, "bfloat16": ms}), ({} and
+        None when the model has no linear layer).
+    """
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)
+               and m is not model.get_output_embeddings()]
+    if not linears:
+        return None, {}
+    w = max(linears, key=lambda m: m.weight.numel()).weight.detach().float()
+    x = torch.randn(rows, w.shape[1], device=w.device)
+    dev = w.device
+
+    def call(enabled: bool):
+        def fn():
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=enabled):
+                F.linear(x, w)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return fn
+
+    t = _interleaved_medians({"float32": call(False), "bfloat16": call(True)}, repeats)
+    ms = {name: round(1e3 * s, 4) for name, s in t.items()}
+    return (torch.bfloat16 if ms["bfloat16"] < ms["float32"] else None), ms
+
+
 def as_packed(linear: nn.Module, plan: Dict[tuple, tuple]) -> nn.Module:
     """`linear` as a `PackedLinear` sharing its parameters where `plan` (see `plan_linears`)
     packs its shape at some row count; else `linear` itself."""

@@ -33,8 +33,8 @@ import torch
 
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .losses import (draft_vocabulary, feature_scale, soft_cross_entropy, target_to_draft,
-                     trained_ahead)
+from .losses import (decoding_walk, draft_vocabulary, feature_scale, soft_cross_entropy,
+                     target_to_draft, trained_ahead)
 from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, check_window,
                    finish, fit, init_from_checkpoint, prepare_run, run_meta, skipped_positions)
 
@@ -94,12 +94,13 @@ def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, windo
              depth_decay: float = 0.8) -> dict:
     """Held-out metrics over the last `window` tokens of every sequence, chain_length depths,
     trained rows only: loss (depth-weighted), top1_per_position (depth d's agreement with the
-    target's top-1) and tau_proxy = 1 + mean over rows of the number of leading agreeing depths
-    (an untrained row ends the run)."""
+    target's top-1), tau_proxy = 1 + mean over rows of the number of leading agreeing depths
+    (an untrained row ends the run) and tau_walk, the tau of greedy decoding's own walk over
+    those rows (`losses.decoding_walk`: steps start just after a rejection, not at every row)."""
     K = drafter.config.chain_length
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     w = torch.tensor([depth_decay ** d for d in range(K)])
-    losses, hits, counts, lead = [], torch.zeros(K), torch.zeros(K), []
+    losses, hits, counts, lead, walks = [], torch.zeros(K), torch.zeros(K), [], []
     for s in range(len(features)):
         seq = features[s]
         W = min(window, seq["ids"].shape[0])
@@ -120,10 +121,12 @@ def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, windo
         start = per[0][1][:n]                       # runs start at trained rows
         runs = torch.stack([o[:n] for o in oks], 1).int().cumprod(1).sum(1).float()
         lead.append(runs[start])
+        walks.append(decoding_walk(runs, start))
     a = hits / counts.clamp_min(1.0)
     return {"loss": sum(losses) / len(losses),
             "top1_per_position": [round(float(x), 4) for x in a],
-            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean()),
+            "tau_walk": float(torch.cat(walks).mean())}
 
 
 def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, window: int,

@@ -69,16 +69,18 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
                         "caching them on disk (for a GPU: a cache of millions of rows is tens "
                         "of GB)")
     p.add_argument("--seed", type=int, default=0, help="data order and initialisation seed")
-    p.add_argument("--autocast", choices=["off", "bfloat16"], default="off",
+    p.add_argument("--autocast", choices=["off", "bfloat16", "auto"], default="off",
                    help="run each training step's forward under torch.autocast in this dtype "
                         "(float32 weights, gradients and AdamW state; bfloat16 matmuls): "
-                        "faster where the CPU has AMX (measured there) or on a GPU; held-out "
-                        "evaluations stay float32")
-    p.add_argument("--cache-dtype", choices=["float32", "bfloat16"], default="float32",
+                        "faster where the CPU has AMX or on a GPU, much slower on an AVX2-only "
+                        "CPU; auto: bfloat16 where a measurement on this device finds it faster "
+                        "(runtime.choose_autocast); held-out evaluations stay float32")
+    p.add_argument("--cache-dtype", choices=["float32", "bfloat16", "auto"], default="float32",
                    help="precision of the target forwards that fill the train split's feature "
                         "cache: bfloat16 runs them under autocast (float32 weights and "
                         "residual stream, bfloat16 matmuls) and is keyed apart from float32; "
-                        "the held-out cache is always float32")
+                        "auto: bfloat16 where measured faster, as --autocast auto; the "
+                        "held-out cache is always float32")
 
 
 def add_position_skip_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,9 +161,29 @@ def prepare_run(args, layer_ids: Callable) -> tuple:
     device = training_device(args.device)
     target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
     target.to(device)
+    resolve_precision(args, target)
     t0 = time.time()
     train, held = load_data(args, target, tokenizer, provenance, layer_ids(target))
     return target, tokenizer, provenance, train, held, time.time() - t0
+
+
+def resolve_precision(args, target) -> None:
+    """Replace `--autocast auto` / `--cache-dtype auto` on `args` by what
+    `runtime.choose_autocast` measures for `target` on its device (bfloat16 or off / float32),
+    said on stderr and kept as args.precision_rule_ms (training.json records args)."""
+    wanted = [o for o in ("autocast", "cache_dtype") if getattr(args, o, None) == "auto"]
+    if not wanted:
+        return
+    from ..runtime import choose_autocast
+
+    dtype, ms = choose_autocast(target)
+    if "autocast" in wanted:
+        args.autocast = "bfloat16" if dtype is not None else "off"
+    if "cache_dtype" in wanted:
+        args.cache_dtype = "bfloat16" if dtype is not None else "float32"
+    args.precision_rule_ms = ms
+    print(f"sharpdraft train: auto precision chose {'bfloat16 autocast' if dtype else 'float32'} "
+          f"(largest linear at 512 rows, ms: {ms})", file=sys.stderr)
 
 
 def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
@@ -187,7 +209,13 @@ def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
 
 
 def autocast_dtype(name: str) -> Optional[torch.dtype]:
-    """The autocast dtype of a --autocast or --cache-dtype value (None: "off" or "float32")."""
+    """The autocast dtype of a --autocast or --cache-dtype value (None: "off" or "float32").
+
+    Raises:
+        ValueError: "auto", which `resolve_precision` replaces by a measured choice first."""
+    if name == "auto":
+        raise ValueError("autocast 'auto' must be resolved by training.loop.resolve_precision "
+                         "before use")
     return None if name in ("off", "float32") else getattr(torch, name)
 
 

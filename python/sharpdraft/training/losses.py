@@ -99,6 +99,34 @@ def trained_ahead(trained: torch.Tensor, span: int) -> torch.Tensor:
     return out
 
 
+def decoding_walk(runs: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The steps greedy speculative decoding takes over teacher-forced text.
+
+    A step starting at row t commits runs[t] + 1 tokens (its leading agreeing drafts and the
+    target's own token), so the next step starts at row t + runs[t] + 1; a row where `start` is
+    False (no trained target: a prompt) is skipped to the next row where it holds, as a new
+    response starts a new walk. The mean of the result is the acceptance length tau that real
+    decoding of this text would measure; the mean of runs + 1 over every row (tau_proxy) is
+    larger, since a step tends to start just after a hard token.
+
+    Args:
+        runs: (n,) int, leading agreeing drafts of a step starting at each row.
+        start: (n,) bool, rows where a step may start.
+
+    Returns:
+        (steps,) float32, tokens committed by each step of the walk.
+    """
+    runs, start = runs.tolist(), start.tolist()
+    steps, t = [], 0
+    while t < len(runs):
+        if not start[t]:
+            t += 1
+            continue
+        steps.append(runs[t] + 1)
+        t += int(runs[t]) + 1
+    return torch.tensor(steps, dtype=torch.float32)
+
+
 def draft_vocabulary(features, size: int, vocab_size: int) -> torch.Tensor:
     """The `size` target ids the drafter may propose, sorted: the most frequent in the cached
     sequences (a `FeatureSet`, or any iterable of dicts with "ids", "top_i", "top_p"), counting

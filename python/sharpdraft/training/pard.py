@@ -29,8 +29,8 @@ import torch
 from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
 from .eagle3 import window_start
-from .losses import (copy_losses, draft_vocabulary, soft_cross_entropy, target_to_draft,
-                     trained_ahead)
+from .losses import (copy_losses, decoding_walk, draft_vocabulary, soft_cross_entropy,
+                     target_to_draft, trained_ahead)
 from .loop import (add_common_arguments, autocast_dtype, check_window, finish, fit,
                    init_from_checkpoint, prepare_run, run_meta)
 
@@ -70,11 +70,12 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
     Returns loss (copies weighted equally), top1_per_position (entry j: copy j's top-1 agreement
     with the target, i.e. draft j + 1's), and tau_proxy = 1 + mean over anchors P (copy 0's row
     P trained) of the number of leading drafts m = 1 .. k whose copy m - 1 row at P + m - 1
-    agrees with the target's top-1 (an untrained row ends the run).
+    agrees with the target's top-1 (an untrained row ends the run), and tau_walk, the tau of
+    greedy decoding's own walk over those anchors (`losses.decoding_walk`).
     """
     k = drafter.config.num_draft_tokens
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
-    losses, hits, counts, lead = [], torch.zeros(k), torch.zeros(k), []
+    losses, hits, counts, lead, walks = [], torch.zeros(k), torch.zeros(k), [], []
     for s in range(len(features)):
         seq = features[s]
         W = min(window, seq["ids"].shape[0])
@@ -100,11 +101,14 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
         counts += tr.sum(1)
         anchors = torch.arange(0, W - k)                              # P: draft m at P + m - 1
         rows = torch.stack([ok[m, anchors + m] for m in range(k)], dim=1)     # (A, k)
-        lead.append(rows.int().cumprod(1).sum(1).float()[trained[anchors]])
+        runs = rows.int().cumprod(1).sum(1).float()
+        lead.append(runs[trained[anchors]])
+        walks.append(decoding_walk(runs, trained[anchors]))
     a = hits / counts.clamp_min(1.0)
     return {"loss": sum(losses) / len(losses),
             "top1_per_position": [round(float(x), 4) for x in a],
-            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean())}
+            "top1_mean": float(a.mean()), "tau_proxy": 1.0 + float(torch.cat(lead).mean()),
+            "tau_walk": float(torch.cat(walks).mean())}
 
 
 def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: float):
