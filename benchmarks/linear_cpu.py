@@ -32,7 +32,7 @@ from tqdm import tqdm
 import sharpdraft_ext as ext
 from sharpdraft.bench import kjv_passage
 from sharpdraft.models import load_target
-from sharpdraft.runtime import TargetRuntime
+from sharpdraft.runtime import ROW_REGIMES, TargetRuntime
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -136,7 +136,8 @@ def main():
         steps = (f"{v['without'] / one:.2f} | {v['with'] / one:.2f}" if one else "- | -")
         lines.append(f"| {n} | {v['without']} | {v['with']} | {steps} | "
                      f"{1 - v['with'] / v['without']:.0%} |")
-    lines += ["", "Plans (path at 1 row, at more rows):", "",
+    lines += ["", "Plans (path at each row count plan_linears measures: "
+              f"{', '.join(str(m) for _, m in ROW_REGIMES)}):", "",
               *(f"- {k}: {json.dumps(v)}" for k, v in plans.items())]
     (out / "linear.md").write_text("\n".join(lines) + "\n")
 

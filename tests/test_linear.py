@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sharpdraft_ext as ext
-from sharpdraft.runtime import (LINEAR_PATHS, PANEL_MAX_ROWS, PackedLinear, linear_paths,
-                                plan_linears)
+from sharpdraft import runtime
+from sharpdraft.runtime import (LINEAR_PATHS, PANEL_MAX_ROWS, ROW_REGIMES, PackedLinear,
+                                linear_paths, plan_linears)
 
 
 def _case(rows, n, k, bias, seed, lead=()):
@@ -161,6 +162,31 @@ def test_a_prefill_skips_the_panel_kernel():
         assert mod.packed["panel"] is not None
 
 
+def test_packed_linear_takes_the_path_of_each_row_regime(monkeypatch):
+    """One path per ROW_REGIMES entry: 1 row, 2 .. 32 rows, 33 .. 96 rows; past that the panel
+    kernel gives way to F.linear (a prefill); a two-path plan serves both multi-row regimes
+    with its second path."""
+    taken = []
+    real = runtime._run
+    monkeypatch.setattr(runtime, "_run", lambda p, *a: taken.append(p) or real(p, *a))
+    lin = torch.nn.Linear(24, 40)
+    bounds = [top for top, _ in ROW_REGIMES]
+    assert bounds == [1, 32, 96] and PANEL_MAX_ROWS == 96
+    cases = {("onednn", "panel", "onednn"): [(1, "onednn"), (2, "panel"), (32, "panel"),
+                                             (33, "onednn"), (96, "onednn"), (200, "onednn")],
+             ("panel", "onednn", "panel"): [(1, "panel"), (8, "onednn"), (64, "panel"),
+                                            (97, None)],
+             ("dense", "panel"): [(1, None), (8, "panel"), (64, "panel"), (97, None)]}
+    with torch.no_grad():
+        for plan, expected in cases.items():
+            mod = PackedLinear(lin, use_packed=plan)
+            for rows, path in expected:
+                taken.clear()
+                x = torch.randn(rows, 24)
+                assert_within_dot_bound(mod(x), x, lin.weight, lin.bias)
+                assert taken == ([path] if path else []), (plan, rows)
+
+
 def test_plan_without_dense_or_a_usable_path():
     """Paths that leave a weight nothing to take (bfloat16 and the float32-only panel kernel)
     keep F.linear for it; a single usable path is taken without timing."""
@@ -168,7 +194,7 @@ def test_plan_without_dense_or_a_usable_path():
     assert plan_linears(bf16, repeats=1, paths=("panel",)) == {}
     f32 = torch.nn.Sequential(torch.nn.Linear(32, 48))
     assert plan_linears(f32, repeats=1, paths=("panel",)) == {
-        (48, 32, torch.float32): ("panel", "panel")}
+        (48, 32, torch.float32): ("panel",) * len(ROW_REGIMES)}
 
 
 def test_packed_linear_rejects_unknown_paths():
@@ -182,7 +208,7 @@ def test_plan_picks_one_measured_path_per_row_count():
     plan = plan_linears(model, repeats=3)
     assert set(plan) == {(96, 64, torch.float32), (64, 96, torch.float32)}
     for choice in plan.values():
-        assert len(choice) == 2 and set(choice) <= set(LINEAR_PATHS)
+        assert len(choice) == len(ROW_REGIMES) and set(choice) <= set(LINEAR_PATHS)
     only = plan_linears(model, repeats=3, paths=("dense", "panel"))
     assert all(set(c) <= {"dense", "panel"} for c in only.values())
 

@@ -15,9 +15,10 @@ changes only what costs time without changing the maths:
 - Logits only where they are used (the last row at prefill), and hidden states only of the
   target layers the drafter reads (forward hooks, no 31-layer tuple).
 - Linear layers: `PackedLinear`, which keeps each `nn.Linear`'s parameters and adds the
-  prepacked weights its paths need; for each weight shape and for one row (decode) or several
-  (verification) it runs whichever of `F.linear`, oneDNN's prepacked weight and our panel
-  kernel (`sharpdraft_ext.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest, as
+  prepacked weights its paths need; for each weight shape and for one row (decode), a few
+  (verification) or a few dozen (a wide draft tree's verification; `ROW_REGIMES`) it runs
+  whichever of `F.linear`, oneDNN's prepacked weight and our panel kernel
+  (`sharpdraft_ext.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest, as
   measured on this machine when the runtime is set up (`plan_linears`;
   SHARPDRAFT_LINEAR_PATHS restricts the choice). Autograd, other devices and other dtypes take
   `F.linear`.
@@ -165,8 +166,13 @@ def _packed_linear(x2d, packed, bias):
 # The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
 # and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32).
 LINEAR_PATHS = ("dense", "onednn", "panel")
+# The row counts a plan tells apart: one row (a decode step), 2 .. 32 (a chain, block or small
+# tree verification) and 33 .. 96 (a wide tree's), each measured at one representative count.
+ROW_REGIMES = ((1, 1), (32, 8), (96, 64))          # (largest row count, rows measured at)
 # The panel kernel re-reads x for every panel: past this many rows (a prefill) F.linear runs.
-PANEL_MAX_ROWS = 32
+# Measured on an AVX2 CPU (benchmarks/linear-cpu-avx2): the panel kernel beats F.linear and
+# oneDNN up to about 64 rows on every target shape, ties at 96 and loses from 128.
+PANEL_MAX_ROWS = ROW_REGIMES[-1][0]
 
 
 def linear_paths() -> tuple:
@@ -217,9 +223,11 @@ def _run(path: str, x2d, weight, packed, bias):
 
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (same `weight` and `bias` parameters) with prepacked copies of its weight.
-    `use_packed` = (path for one row, path for more rows), each one of `LINEAR_PATHS` (True
-    means "onednn", False "dense"; see `plan_linears`). A path the weight cannot take (another
-    device or dtype) and autograd fall back to `F.linear`."""
+    `use_packed` = one path per row regime of `ROW_REGIMES` (one row, up to 32, up to 96; two
+    paths: the second serves both multi-row regimes), each one of `LINEAR_PATHS` (True means
+    "onednn", False "dense"; see `plan_linears`). A path the weight cannot take (another
+    device or dtype) and autograd fall back to `F.linear`, as the panel kernel does past
+    PANEL_MAX_ROWS rows."""
 
     def __init__(self, linear: nn.Linear, use_packed=(False, True)):
         nn.Module.__init__(self)
@@ -229,9 +237,11 @@ class PackedLinear(nn.Linear):
         self.use_packed = tuple("onednn" if p is True else "dense" if p is False else p
                                 for p in use_packed)
         bad = [p for p in self.use_packed if p not in LINEAR_PATHS]
-        if len(self.use_packed) != 2 or bad:
-            raise ValueError(f"use_packed must be two of {LINEAR_PATHS} (or booleans), got "
-                             f"{use_packed!r}")
+        if len(self.use_packed) not in (2, len(ROW_REGIMES)) or bad:
+            raise ValueError(f"use_packed must be two or {len(ROW_REGIMES)} of {LINEAR_PATHS} "
+                             f"(or booleans), got {use_packed!r}")
+        if len(self.use_packed) == 2:
+            self.use_packed += self.use_packed[1:]
         self.repack()
 
     def _version(self) -> tuple:
@@ -250,7 +260,8 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        path = self.use_packed[rows > 1]
+        path = self.use_packed[next((i for i, (top, _) in enumerate(ROW_REGIMES) if rows <= top),
+                                    len(ROW_REGIMES) - 1)]
         if path == "panel" and rows > PANEL_MAX_ROWS:
             path = "dense"                     # a prefill: measured at 8 rows, not at these
         if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
@@ -288,12 +299,13 @@ _COLD_BYTES = 64 << 20   # more than the last-level caches of the CPUs we run on
 _PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape and threads
 
 
-def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
+def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeats: int = 11,
                  paths: Optional[Sequence[str]] = None) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
     `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
-    at 1 row and at rows[1] rows (medians of `repeats`, the paths timed in turn), and keep the
-    fastest.
+    at each of `rows` rows (default: where `ROW_REGIMES` measures one row, a verification and
+    a wide tree's verification; medians of `repeats`, the paths timed in turn), and keep the
+    fastest for each.
 
     A forward streams every weight from memory once, so each call is timed with the weight
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
@@ -303,8 +315,8 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
     weight that can take none of them.
 
     Returns:
-        {(out_features, in_features, dtype): (path at 1 row, path at more rows)}, paths from
-        `LINEAR_PATHS`.
+        {(out_features, in_features, dtype): (path at rows[0], path at rows[1], ...)}, paths
+        from `LINEAR_PATHS`.
     """
     paths = tuple(linear_paths() if paths is None else paths)
     plan = {}
@@ -322,7 +334,7 @@ def plan_linears(model: nn.Module, rows=(1, 8), repeats: int = 11,
         able = [p for p in _paths_for(mod.weight) if p in paths]
         if len(able) <= 1:                # nothing to choose: F.linear, or the one path left
             if able and able[0] != "dense":
-                plan[key] = (able[0], able[0])
+                plan[key] = (able[0],) * len(rows)
             continue
         if flush is None:
             flush = torch.ones(_COLD_BYTES // 4)
