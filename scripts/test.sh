@@ -41,14 +41,21 @@ for c in "${CUDA_HOME:-}" /usr/local/cuda \
   fi
 done
 if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
+  build_cuda=$([[ "${SHARPDRAFT_SKIP_CUDA_BUILD:-0}" != 1 ]] && echo 1 || echo 0)
+  if [[ $build_cuda == 1 ]]; then
+    # the CUDA torch's environment (several GB copied from disk) installs while the
+    # compile-only check keeps the cores busy
+    work=$(mktemp -d)
+    (python -m venv "$work/venv" && "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest \
+      hypothesis ninja "setuptools>=64" wheel) >"$work/venv.log" 2>&1 &
+    venv_pid=$!
+  fi
   step "CUDA: compile-only check (sm_80, sm_90a)"
   NVCC="$NVCC" bash scripts/cuda_compile_check.sh build/ptxas
 
-  if [[ "${SHARPDRAFT_SKIP_CUDA_BUILD:-0}" != 1 ]]; then
+  if [[ $build_cuda == 1 ]]; then
     step "CUDA: extension build against the CUDA torch, import without a GPU"
-    work=$(mktemp -d)
-    python -m venv "$work/venv"
-    "$work/venv/bin/pip" install -q torch==2.14.1 numpy pytest hypothesis ninja "setuptools>=64" wheel
+    wait "$venv_pid" || { cat "$work/venv.log"; exit 1; }
     mkdir -p "$work/src"
     git ls-files -z | xargs -0 cp --parents -t "$work/src"  # tracked sources, no in-tree build
     (cd "$work/src" && CUDA_HOME="$CUDA_ROOT" SHARPDRAFT_CUDA=1 \
