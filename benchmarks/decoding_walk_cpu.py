@@ -10,8 +10,8 @@ drafter (chain drafting, frozen) and records real tau; then it runs the target o
 own `evaluate` on it, which reports tau_proxy (every row) and tau_walk (the walk decoding takes,
 `training.losses.decoding_walk`). tau_walk should equal real tau up to the last few tokens
 (the recipe drops rows too close to the end for every draft; the engine caps its last step) and
-near-ties between the incremental and the full forward; tau_proxy - tau_walk is the part of the gap that the choice
-of starting rows explains, on identical text.
+near-ties between the incremental and the full forward; tau_proxy - tau_walk is the part of the
+gap that the choice of starting rows explains, on identical text.
 
 Prompts: --corpus-prompts first-turn prompts of the corpus's held-out split (never trained on),
 as `sharpdraft bench` picks them. Writes decoding_walk.json and decoding_walk.md to --out.
@@ -62,7 +62,8 @@ def main():
         target, tokenizer, provenance = cli.load_target_for(cargs)
         drafter = cli.build_drafter(target, tokenizer, cargs)
         prompts = prompts or corpus_prompts(args.corpus, args.corpus_prompts)
-        layers = list(drafter.config.target_layer_ids) if name == "eagle3" else [0]
+        # the target layers the drafter reads (PARD reads none: one is computed, unused)
+        layers = list(getattr(drafter.config, "target_layer_ids", [0]))
         for pr in tqdm(prompts, desc=name, unit="prompt"):
             res = decode(target, drafter, pr["ids"], args.max_new_tokens,
                          eos_token_id=tokenizer.eos_token_id)

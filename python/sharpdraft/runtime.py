@@ -263,7 +263,7 @@ class PackedLinear(nn.Linear):
         path = self.use_packed[next((i for i, (top, _) in enumerate(ROW_REGIMES) if rows <= top),
                                     len(ROW_REGIMES) - 1)]
         if path == "panel" and rows > PANEL_MAX_ROWS:
-            path = "dense"                     # a prefill: measured at 8 rows, not at these
+            path = "dense"                     # a prefill: past the rows the plan measured
         if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return F.linear(x, self.weight, self.bias)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..runtime import choose_autocast
 from .cache import autocast_to, cached_features
 
 
@@ -174,8 +175,6 @@ def resolve_precision(args, target) -> None:
     wanted = [o for o in ("autocast", "cache_dtype") if getattr(args, o, None) == "auto"]
     if not wanted:
         return
-    from ..runtime import choose_autocast
-
     dtype, ms = choose_autocast(target)
     if "autocast" in wanted:
         args.autocast = "bfloat16" if dtype is not None else "off"
@@ -301,7 +300,8 @@ def fit(drafter: nn.Module, target, loss_fn: Callable, eval_fn: Callable, *, ste
         evals.append(ev)
         write({"eval": ev})
         if progress:
-            tqdm.write(f"eval step {step}: loss {ev['loss']:.3f} tau~{ev['tau_proxy']:.3f} "
+            walk = f" walk {ev['tau_walk']:.3f}" if "tau_walk" in ev else ""
+            tqdm.write(f"eval step {step}: loss {ev['loss']:.3f} tau~{ev['tau_proxy']:.3f}{walk} "
                        f"top1 {' '.join(f'{x:.2f}' for x in ev['top1_per_position'])}",
                        file=sys.stderr)
         if best is None or ev["tau_proxy"] > best["tau_proxy"]:

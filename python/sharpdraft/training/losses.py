@@ -107,7 +107,8 @@ def decoding_walk(runs: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     False (no trained target: a prompt) is skipped to the next row where it holds, as a new
     response starts a new walk. The mean of the result is the acceptance length tau that real
     decoding of this text would measure; the mean of runs + 1 over every row (tau_proxy) is
-    larger, since a step tends to start just after a hard token.
+    usually larger, since a step tends to start just after a rejected draft (README, "An
+    AVX2-only CPU": EAGLE-3 2.43 against 2.18 on the held-out set).
 
     Args:
         runs: (n,) int, leading agreeing drafts of a step starting at each row.
