@@ -253,3 +253,51 @@ def test_context_window_bounds_n_i_and_stays_lossless(target, monkeypatch):
     assert counts and all(int(n.max()) <= 6 + 4 for n in counts)
     assert all(int(n.min()) >= 1 for n in counts)
     assert any(int(n.max()) == 6 + 4 for n in counts)
+
+
+def test_evaluate_on_trimmed_rows_equals_the_full_forward(target):
+    """The held-out evaluation runs the trimmed forward (rows leading to no trained target
+    dropped, the LM head on trained rows); its agreement counts, tau proxy and loss equal those
+    of the full forward over every copy row, computed here directly. The target's top-1 is
+    set to the drafter's own guess at most rows so that agreements and runs are not all zero."""
+    from sharpdraft.training import losses
+    from sharpdraft.training.pard import copy_rows, evaluate
+    k, T = 4, 40
+    drafter = tiny_pard(target, num_draft_tokens=k)
+    ids = torch.randint(3, 256, (T,), generator=torch.Generator().manual_seed(5))
+    trained = torch.zeros(T, dtype=torch.bool)
+    trained[10:22] = trained[28:38] = True                   # two responses, prompt rows between
+    keep = torch.ones(k, T, dtype=torch.bool)
+    for j in range(k):
+        keep[j, :j] = False
+    keep[:, T - 1] = False
+    with torch.no_grad():
+        full = drafter.train_logits(target, ids, keep)
+    pos, copy = copy_rows(keep)
+    guess = full.argmax(-1)
+    top_i = torch.randint(3, 256, (T, 6), generator=torch.Generator().manual_seed(6))
+    for r in range(pos.numel()):   # row p's target: copy p % k's guess, so that runs start
+        p, c = int(pos[r]), int(copy[r])               # at anchors p = 0 mod k (some broken)
+        if c == p % k and p % 7:
+            top_i[p, 0] = guess[r]
+    top_p = torch.softmax(torch.randn(T, 6, generator=torch.Generator().manual_seed(7)), -1)
+    seq = {"ids": ids, "top_p": top_p, "top_i": top_i, "trained": trained}
+    got = evaluate(drafter, target, [seq], window=T)
+
+    v = trained[pos]
+    ok = torch.zeros(k, T, dtype=torch.bool)
+    ok[keep] = (guess == top_i[pos, 0]) & v
+    hits = ok.sum(1).float()
+    counts = torch.zeros(k, T, dtype=torch.bool)
+    counts[keep] = v
+    per = hits / counts.sum(1).float()
+    anchors = torch.arange(T - k)
+    runs = torch.stack([ok[m, anchors + m] for m in range(k)], 1).int().cumprod(1).sum(1)
+    ce = losses.soft_cross_entropy(full[v], top_p[pos][v], top_i[pos][v])
+    loss = torch.stack([ce[copy[v] == j].mean() for j in range(k)]).mean()
+    assert float(hits.sum()) >= 8 and int(runs.max()) >= 2            # not a run of zeros
+    assert got["top1_per_position"] == [round(float(x), 4) for x in per]
+    assert got["tau_proxy"] == pytest.approx(1.0 + float(runs[trained[anchors]].float().mean()))
+    walk = losses.decoding_walk(runs, trained[anchors])
+    assert got["tau_walk"] == pytest.approx(float(walk.mean()))
+    assert got["loss"] == pytest.approx(float(loss), rel=1e-5)

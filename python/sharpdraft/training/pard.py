@@ -65,7 +65,7 @@ def trained_keep(keep: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
     """Held-out metrics over the last `window` tokens of every sequence with every copy row
-    kept, trained rows only.
+    kept that leads to a trained target (`trained_keep`), trained rows only.
 
     Returns loss (copies weighted equally), top1_per_position (entry j: copy j's top-1 agreement
     with the target, i.e. draft j + 1's), and tau_proxy = 1 + mean over anchors P (copy 0's row
@@ -86,19 +86,19 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
         for j in range(k):
             keep[j, :j] = False
         keep[:, W - 1] = False
-        logits = drafter.train_logits(target, ids, keep)
-        pos, copy = copy_rows(keep)
-        v = trained[pos]
-        ce = soft_cross_entropy(logits[v], top_p[pos][v], top_d[pos][v])
-        per_copy = copy_losses(ce, copy[v], k)
+        # as in training: rows that lead to no trained target are dropped and the LM head runs
+        # on the trained rows only (the same metrics, a fraction of the work on prompt rows)
+        keep = trained_keep(keep, trained)
+        wanted = keep & trained[None, :]
+        logits = drafter.train_logits(target, ids, keep, wanted)
+        pos, copy = copy_rows(wanted)
+        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
         losses.append(float(per_copy[~per_copy.isnan()].mean()))
         guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
         ok = torch.zeros(k, W, dtype=torch.bool)
-        ok[keep] = (guess == top1[pos]) & v
-        tr = torch.zeros(k, W, dtype=torch.bool)
-        tr[keep] = v
+        ok[wanted] = guess == top1[pos]
         hits += ok.sum(1)
-        counts += tr.sum(1)
+        counts += wanted.sum(1)
         anchors = torch.arange(0, W - k)                              # P: draft m at P + m - 1
         rows = torch.stack([ok[m, anchors + m] for m in range(k)], dim=1)     # (A, k)
         runs = rows.int().cumprod(1).sum(1).float()
