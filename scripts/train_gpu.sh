@@ -74,7 +74,8 @@ summary = {"corpus": {"counts": manifest["counts"], "throughput": manifest["thro
 for d in names:
     t = json.loads((out / f"{d}-smollm2-gpu" / "training.json").read_text())
     summary[d] = {k: t.get(k) for k in ("steps_done", "train_seconds", "trained_rows_seen")}
-    summary[d]["best_eval"] = {k: t["best_eval"].get(k) for k in ("step", "tau_proxy", "loss")}
+    summary[d]["best_eval"] = {k: t["best_eval"].get(k)
+                               for k in ("step", "tau_proxy", "tau_walk", "loss")}
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary, indent=1))
 EOF
