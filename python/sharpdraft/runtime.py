@@ -304,8 +304,8 @@ def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeat
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
     `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
     at each of `rows` rows (default: where `ROW_REGIMES` measures one row, a verification and
-    a wide tree's verification; medians of `repeats`, the paths timed in turn), and keep the
-    fastest for each.
+    a wide tree's verification; medians of `repeats`, a third of them past 8 rows, the paths
+    timed in turn), and keep the fastest for each.
 
     A forward streams every weight from memory once, so each call is timed with the weight
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
@@ -343,8 +343,10 @@ def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeat
         choice = []
         for m in rows:
             x = torch.randn(m, mod.in_features, dtype=w.dtype)
+            # a call over many rows is long, so less noisy: a third of the repeats past 8 rows
+            reps = repeats if m <= 8 else max(3, repeats // 3)
             s = _interleaved_medians({p: (lambda p=p: _run(p, x, w, packed[p], None))
-                                      for p in able}, repeats, flush)
+                                      for p in able}, reps, flush)
             choice.append(min(able, key=s.get))
         plan[key] = _PLANS[(key, rows, torch.get_num_threads(), tuple(paths))] = tuple(choice)
     return plan
