@@ -144,7 +144,7 @@ def test_packed_linear_module_on_each_path(path, rows):
     in-place weight update."""
     g = torch.Generator().manual_seed(rows)
     lin = torch.nn.Linear(40, 52)
-    mod = PackedLinear(lin, use_packed=(path, path))
+    mod = PackedLinear(lin, use_packed=(path,) * len(ROW_REGIMES))
     x = torch.randn(2, rows, 40, generator=g)
     with torch.no_grad():
         assert_within_dot_bound(mod(x), x, lin.weight, lin.bias)
@@ -155,7 +155,7 @@ def test_packed_linear_module_on_each_path(path, rows):
 def test_a_prefill_skips_the_panel_kernel():
     """Past PANEL_MAX_ROWS rows the panel path runs F.linear itself: bitwise its output."""
     lin = torch.nn.Linear(64, 50)
-    mod = PackedLinear(lin, use_packed=("panel", "panel"))
+    mod = PackedLinear(lin, use_packed=("panel",) * len(ROW_REGIMES))
     with torch.no_grad():
         x = torch.randn(PANEL_MAX_ROWS + 5, 64)
         assert torch.equal(mod(x), lin(x))
@@ -164,8 +164,7 @@ def test_a_prefill_skips_the_panel_kernel():
 
 def test_packed_linear_takes_the_path_of_each_row_regime(monkeypatch):
     """One path per ROW_REGIMES entry: 1 row, 2 .. 32 rows, 33 .. 96 rows; past that the panel
-    kernel gives way to F.linear (a prefill); a two-path plan serves both multi-row regimes
-    with its second path."""
+    kernel gives way to F.linear (a prefill), while oneDNN keeps its path."""
     taken = []
     real = runtime._run
     monkeypatch.setattr(runtime, "_run", lambda p, *a: taken.append(p) or real(p, *a))
@@ -176,7 +175,8 @@ def test_packed_linear_takes_the_path_of_each_row_regime(monkeypatch):
                                              (33, "onednn"), (96, "onednn"), (200, "onednn")],
              ("panel", "onednn", "panel"): [(1, "panel"), (8, "onednn"), (64, "panel"),
                                             (97, None)],
-             ("dense", "panel"): [(1, None), (8, "panel"), (64, "panel"), (97, None)]}
+             ("dense", "panel", "panel"): [(1, None), (8, "panel"), (64, "panel"),
+                                           (97, None)]}
     with torch.no_grad():
         for plan, expected in cases.items():
             mod = PackedLinear(lin, use_packed=plan)
@@ -199,7 +199,9 @@ def test_plan_without_dense_or_a_usable_path():
 
 def test_packed_linear_rejects_unknown_paths():
     with pytest.raises(ValueError, match="use_packed"):
-        PackedLinear(torch.nn.Linear(4, 4), use_packed=("fast", "dense"))
+        PackedLinear(torch.nn.Linear(4, 4), use_packed=("fast", "dense", "dense"))
+    with pytest.raises(ValueError, match="use_packed"):
+        PackedLinear(torch.nn.Linear(4, 4), use_packed=("dense", "panel"))   # one per regime
 
 
 def test_plan_picks_one_measured_path_per_row_count():

@@ -131,7 +131,7 @@ def test_packed_linear_equals_linear(rows, bias):
         lin.weight.copy_(torch.randn(40, 48, generator=g))
         if bias:
             lin.bias.copy_(torch.randn(40, generator=g))
-    packed = PackedLinear(lin, use_packed=(True, True))
+    packed = PackedLinear(lin, use_packed=(True, True, True))
     assert packed.weight is lin.weight               # parameters shared (tying survives)
     x = torch.randn(1, rows, 48, generator=g)
     ref64 = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else
@@ -180,7 +180,7 @@ def test_packed_linear_follows_in_place_weight_updates():
     """An optimizer step changes the weight in place: the packed copy must not go stale."""
     g = torch.Generator().manual_seed(3)
     lin = torch.nn.Linear(32, 24, bias=False)
-    packed = PackedLinear(lin, use_packed=(True, True))
+    packed = PackedLinear(lin, use_packed=(True, True, True))
     x = torch.randn(5, 32, generator=g)
     with torch.no_grad():
         before = packed(x)
@@ -210,7 +210,7 @@ def test_packed_linear_follows_a_dtype_cast():
     oneDNN can and F.linear elsewhere."""
     g = torch.Generator().manual_seed(4)
     lin = torch.nn.Linear(32, 24, bias=False)
-    packed = PackedLinear(lin, use_packed=(True, True)).to(torch.bfloat16)
+    packed = PackedLinear(lin, use_packed=(True, True, True)).to(torch.bfloat16)
     x = torch.randn(5, 32, generator=g).bfloat16()
     with torch.no_grad():
         out = packed(x)

@@ -28,6 +28,7 @@ to the SPEC section 6 tolerance against the model's own forward with SDPA and a 
 """
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from contextlib import contextmanager
@@ -169,6 +170,7 @@ LINEAR_PATHS = ("dense", "onednn", "panel")
 # The row counts a plan tells apart: one row (a decode step), 2 .. 32 (a chain, block or small
 # tree verification) and 33 .. 96 (a wide tree's), each measured at one representative count.
 ROW_REGIMES = ((1, 1), (32, 8), (96, 64))          # (largest row count, rows measured at)
+_REGIME_TOPS = tuple(top for top, _ in ROW_REGIMES)
 # The panel kernel re-reads x for every panel: past this many rows (a prefill) F.linear runs.
 # Measured on an AVX2 CPU (benchmarks/linear-cpu-avx2): the panel kernel beats F.linear and
 # oneDNN up to about 64 rows on every target shape, ties at 96 and loses from 128.
@@ -223,13 +225,13 @@ def _run(path: str, x2d, weight, packed, bias):
 
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (same `weight` and `bias` parameters) with prepacked copies of its weight.
-    `use_packed` = one path per row regime of `ROW_REGIMES` (one row, up to 32, up to 96; two
-    paths: the second serves both multi-row regimes), each one of `LINEAR_PATHS` (True means
-    "onednn", False "dense"; see `plan_linears`). A path the weight cannot take (another
+    `use_packed` = one path per row regime of `ROW_REGIMES` (one row, up to 32, up to 96), each
+    one of `LINEAR_PATHS` (True means "onednn", False "dense"; see `plan_linears`); rows past
+    the last regime take its path. A path the weight cannot take (another
     device or dtype) and autograd fall back to `F.linear`, as the panel kernel does past
     PANEL_MAX_ROWS rows."""
 
-    def __init__(self, linear: nn.Linear, use_packed=(False, True)):
+    def __init__(self, linear: nn.Linear, use_packed=(False, True, True)):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -237,11 +239,9 @@ class PackedLinear(nn.Linear):
         self.use_packed = tuple("onednn" if p is True else "dense" if p is False else p
                                 for p in use_packed)
         bad = [p for p in self.use_packed if p not in LINEAR_PATHS]
-        if len(self.use_packed) not in (2, len(ROW_REGIMES)) or bad:
-            raise ValueError(f"use_packed must be two or {len(ROW_REGIMES)} of {LINEAR_PATHS} "
-                             f"(or booleans), got {use_packed!r}")
-        if len(self.use_packed) == 2:
-            self.use_packed += self.use_packed[1:]
+        if len(self.use_packed) != len(ROW_REGIMES) or bad:
+            raise ValueError(f"use_packed must be {len(ROW_REGIMES)} of {LINEAR_PATHS} (or "
+                             f"booleans), one per ROW_REGIMES entry, got {use_packed!r}")
         self.repack()
 
     def _version(self) -> tuple:
@@ -260,8 +260,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        path = self.use_packed[next((i for i, (top, _) in enumerate(ROW_REGIMES) if rows <= top),
-                                    len(ROW_REGIMES) - 1)]
+        path = self.use_packed[min(bisect.bisect_left(_REGIME_TOPS, rows), len(_REGIME_TOPS) - 1)]
         if path == "panel" and rows > PANEL_MAX_ROWS:
             path = "dense"                     # a prefill: past the rows the plan measured
         if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
@@ -299,13 +298,13 @@ _COLD_BYTES = 64 << 20   # more than the last-level caches of the CPUs we run on
 _PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape and threads
 
 
-def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeats: int = 11,
+def plan_linears(model: nn.Module, repeats: int = 11,
                  paths: Optional[Sequence[str]] = None) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
     `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
-    at each of `rows` rows (default: where `ROW_REGIMES` measures one row, a verification and
-    a wide tree's verification; medians of `repeats`, a third of them past 8 rows, the paths
-    timed in turn), and keep the fastest for each.
+    at the row count each `ROW_REGIMES` entry is measured at (one row, a verification, a wide
+    tree's verification; medians of `repeats`, a third of them past 8 rows, the paths timed in
+    turn), and keep the fastest for each.
 
     A forward streams every weight from memory once, so each call is timed with the weight
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight
@@ -315,8 +314,8 @@ def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeat
     weight that can take none of them.
 
     Returns:
-        {(out_features, in_features, dtype): (path at rows[0], path at rows[1], ...)}, paths
-        from `LINEAR_PATHS`.
+        {(out_features, in_features, dtype): one path of `LINEAR_PATHS` per `ROW_REGIMES`
+        entry}, as `PackedLinear` takes them.
     """
     paths = tuple(linear_paths() if paths is None else paths)
     plan = {}
@@ -327,28 +326,28 @@ def plan_linears(model: nn.Module, rows=tuple(m for _, m in ROW_REGIMES), repeat
         key = (mod.out_features, mod.in_features, mod.weight.dtype)
         if key in plan:
             continue
-        known = _PLANS.get((key, rows, torch.get_num_threads(), tuple(paths)))
+        known = _PLANS.get((key, torch.get_num_threads(), tuple(paths)))
         if known is not None:             # measured before in this process (target, drafter)
             plan[key] = known
             continue
         able = [p for p in _paths_for(mod.weight) if p in paths]
         if len(able) <= 1:                # nothing to choose: F.linear, or the one path left
             if able and able[0] != "dense":
-                plan[key] = (able[0],) * len(rows)
+                plan[key] = (able[0],) * len(ROW_REGIMES)
             continue
         if flush is None:
             flush = torch.ones(_COLD_BYTES // 4)
         w = mod.weight.detach()
         packed = {p: _pack(w, p) for p in able}
         choice = []
-        for m in rows:
+        for _, m in ROW_REGIMES:
             x = torch.randn(m, mod.in_features, dtype=w.dtype)
             # a call over many rows is long, so less noisy: a third of the repeats past 8 rows
             reps = repeats if m <= 8 else max(3, repeats // 3)
             s = _interleaved_medians({p: (lambda p=p: _run(p, x, w, packed[p], None))
                                       for p in able}, reps, flush)
             choice.append(min(able, key=s.get))
-        plan[key] = _PLANS[(key, rows, torch.get_num_threads(), tuple(paths))] = tuple(choice)
+        plan[key] = _PLANS[(key, torch.get_num_threads(), tuple(paths))] = tuple(choice)
     return plan
 
 

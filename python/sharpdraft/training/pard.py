@@ -62,6 +62,20 @@ def trained_keep(keep: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def trained_rows_forward(drafter: PARDDrafter, target, ids, keep, trained, top_p, top_d):
+    """The trimmed forward of training and evaluation: `keep` (C, T) less the rows that lead to
+    no trained target (`trained_keep`), the LM head on trained rows only. Returns (logits of
+    the trained rows, their positions in `copy_rows` order, the (C, T) mask of those rows, the
+    per-copy mean soft cross-entropy (C,), NaN for a copy without one)."""
+    keep = trained_keep(keep, trained)
+    wanted = keep & trained[None, :]
+    pos, copy = copy_rows(wanted)
+    logits = drafter.train_logits(target, ids, keep, wanted)
+    per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy,
+                           keep.shape[0])
+    return logits, pos, wanted, per_copy
+
+
 @torch.no_grad()
 def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
     """Held-out metrics over the last `window` tokens of every sequence with every copy row
@@ -86,13 +100,9 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
         for j in range(k):
             keep[j, :j] = False
         keep[:, W - 1] = False
-        # as in training: rows that lead to no trained target are dropped and the LM head runs
-        # on the trained rows only (the same metrics, a fraction of the work on prompt rows)
-        keep = trained_keep(keep, trained)
-        wanted = keep & trained[None, :]
-        logits = drafter.train_logits(target, ids, keep, wanted)
-        pos, copy = copy_rows(wanted)
-        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
+        # as in training (the same metrics, a fraction of the work on prompt rows)
+        logits, pos, wanted, per_copy = trained_rows_forward(drafter, target, ids, keep,
+                                                             trained, top_p, top_d)
         losses.append(float(per_copy[~per_copy.isnan()].mean()))
         guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
         ok = torch.zeros(k, W, dtype=torch.bool)
@@ -124,11 +134,8 @@ def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: fl
         W = min(window, seq["ids"].shape[0])
         ids, top_p, top_d, _, trained = _window(seq, window_start(seq["trained"], W, gen), W,
                                                 t2d)
-        keep = trained_keep(conditional_keep(k, W, keep_rate, gen), trained)
-        wanted = keep & trained[None, :]
-        pos, copy = copy_rows(wanted)
-        logits = drafter.train_logits(target, ids, keep, wanted)
-        per_copy = copy_losses(soft_cross_entropy(logits, top_p[pos], top_d[pos]), copy, k)
+        _, _, wanted, per_copy = trained_rows_forward(
+            drafter, target, ids, conditional_keep(k, W, keep_rate, gen), trained, top_p, top_d)
         return per_copy[~per_copy.isnan()].mean(), {"rows": int(wanted.sum())}
     return loss_fn
 
