@@ -244,15 +244,27 @@ def test_fit_autocast_runs_the_loss_in_bfloat16_and_keeps_float32_weights(setup)
     assert sum(hist[-5:]) / 5 < sum(hist[:5]) / 5 - 0.05
 
 
-def test_choose_autocast_picks_the_precision_it_measured_faster():
+def test_choose_autocast_picks_the_precision_it_measured_faster(monkeypatch):
     """--autocast auto / --cache-dtype auto: both precisions are timed, and bfloat16 autocast
-    is chosen exactly when its median is the lower one."""
-    from sharpdraft.runtime import choose_autocast
+    is chosen exactly when its median is the lower one (real timings, then set ones both
+    ways)."""
+    from sharpdraft import runtime
 
-    dtype, ms = choose_autocast(tiny_target(), rows=64, repeats=3)
+    dtype, ms = runtime.choose_autocast(tiny_target(), rows=64, repeats=3)
     assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
     assert (dtype is torch.bfloat16) == (ms["bfloat16"] < ms["float32"])
-    assert dtype in (None, torch.bfloat16)
+
+    def fake(fns, repeats, flush=None):
+        assert set(fns) == {"float32", "bfloat16"}
+        for fn in fns.values():
+            fn()                                   # both candidates run
+        return dict(times)
+
+    monkeypatch.setattr(runtime, "_interleaved_medians", fake)
+    for times, want in (({"float32": 2e-3, "bfloat16": 1e-3}, torch.bfloat16),
+                        ({"float32": 1e-3, "bfloat16": 2e-3}, None)):
+        assert runtime.choose_autocast(tiny_target(), rows=8) == (
+            want, {k: round(1e3 * v, 4) for k, v in times.items()})
 
 
 def test_resolve_precision_replaces_auto_only_and_records_the_timings():
