@@ -345,3 +345,20 @@ def test_context_window_bounds_n_i_and_stays_lossless(target, monkeypatch, tree)
     assert run(target, drafter, prompt, 16).tokens == ref
     assert counts and all(n <= 8 + r for n, r in counts)
     assert any(n > r for n, r in counts)                # the window still holds context
+
+
+def test_expand_frontier_keeps_every_child_and_expands_the_best():
+    """EAGLE-2's pool: every expanded node's k best children, scored parent + log-prob; the next
+    frontier is the k best of them, checked against a brute-force enumeration in float64."""
+    gen = torch.Generator().manual_seed(3)
+    scores = -torch.rand(3, generator=gen, dtype=torch.float64)
+    logp = torch.log_softmax(torch.randn(3, 11, generator=gen, dtype=torch.float64), -1)
+    tok, score, row, nxt = e3.expand_frontier(scores, logp, 4)
+    want = sorted(((float(scores[f] + logp[f, v]), f, v) for f in range(3) for v in range(11)),
+                  reverse=True)
+    for f in range(3):                        # node f's 4 best children, in its rows
+        best = sorted(range(11), key=lambda v: -float(logp[f, v]))[:4]
+        assert tok[row == f].tolist() == best
+    assert torch.allclose(score, scores[row] + logp[row, tok])
+    top4 = [(f, v) for _, f, v in want[:4]]
+    assert [(int(row[j]), int(tok[j])) for j in nxt] == top4

@@ -296,6 +296,28 @@ class DraftTree:
         return [j for j, p in enumerate(self.parents) if p == i]
 
 
+def expand_frontier(scores: torch.Tensor, logp: torch.Tensor, k: int):
+    """One depth of EAGLE-2's dynamic tree: the children of the F expanded nodes.
+
+    Args:
+        scores: (F,) path log-probabilities of the expanded nodes.
+        logp: (F, V) each node's next-token log-probabilities.
+        k: children kept per node, and nodes expanded at the next depth.
+
+    Returns:
+        (tokens (F*k,), path scores (F*k,), parent rows (F*k,), next (<= k,)): node f's k most
+        likely children in rows f*k .. f*k + k - 1, best first, each scored by its parent's
+        score plus its log-probability; `next` indexes the k best children overall, best
+        first (ties to the earlier row), which the next depth expands.
+    """
+    kids = logp.topk(min(k, logp.shape[1]), dim=-1)                         # (F, k)
+    score = (scores[:, None] + kids.values).flatten()
+    rows = torch.arange(logp.shape[0], device=logp.device).repeat_interleave(kids.indices.shape[1])
+    order = sorted(range(score.numel()), key=lambda j: (-float(score[j]), j))
+    return kids.indices.flatten(), score, rows, torch.tensor(order[:k], dtype=torch.long,
+                                                               device=logp.device)
+
+
 class Eagle3Session:
     """Drafting state: committed tokens, the drafter KV cache of rows 0 .. c - 1, and the target
     features of the committed positions not yet run through the drafter."""
@@ -348,9 +370,11 @@ class Eagle3Session:
 
     @torch.no_grad()
     def propose_tree(self, last: int, position: int) -> DraftTree:
-        """Tree drafting (top-k expansion): at each depth the `tree_topk` best nodes by path
-        log-probability are expanded with their `tree_topk` most likely children; finally the
-        `tree_tokens` best nodes overall (an ancestor-closed set) form the tree."""
+        """Tree drafting (EAGLE-2's dynamic tree): at each depth the `tree_topk` best nodes of
+        the newest depth by path log-probability are expanded, each with its `tree_topk` most
+        likely children, and every child joins the candidate pool (`expand_frontier`); finally
+        the `tree_tokens` best candidates of the pool (an ancestor-closed set) form the tree.
+        Only expanded nodes cost a drafter forward: the pool's other candidates are free."""
         d = self.drafter
         cfg = d.config
         dev = self.pending.device
@@ -383,20 +407,16 @@ class Eagle3Session:
             normed, hid = d.step(self.emb(ids), frontier_hidden, pos, self.cache,
                                  attn_mask=vis[None, None])
             logp = torch.log_softmax(d.head(self.target, normed[0]), dim=-1)   # (F, V)
-            cand = (torch.tensor([scores[i] for i in frontier], device=dev)[:, None]
-                    + logp).flatten()
-            best = cand.topk(min(cfg.tree_topk, cand.numel()))
-            new, from_row = [], []
-            for score, flat in zip(best.values.tolist(), best.indices.tolist()):
-                f, tok = divmod(flat, logp.shape[1])
+            base = torch.tensor([scores[i] for i in frontier], device=dev)
+            kid_tok, kid_score, kid_row, nxt = expand_frontier(base, logp, cfg.tree_topk)
+            first = len(tokens)
+            for tok, score, f in zip(kid_tok.tolist(), kid_score.tolist(), kid_row.tolist()):
                 tokens.append(to_target(tok))
                 scores.append(score)
                 parents.append(frontier[f])
                 depths.append(depth + 1)
-                new.append(len(tokens) - 1)
-                from_row.append(f)
-            frontier_hidden = hid[:, from_row]       # a child's hidden input: its parent's output
-            frontier = new
+            frontier = [first + j for j in nxt.tolist()]
+            frontier_hidden = hid[:, kid_row[nxt]]   # a child's hidden input: its parent's output
         crop_to(self.cache, position)
         # keep the best `tree_tokens` nodes: a child's score is its parent's plus a log-prob
         # <= 0 and ties go to the shallower, earlier node, so a parent always ranks before its
