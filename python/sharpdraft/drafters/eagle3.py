@@ -313,9 +313,8 @@ def expand_frontier(scores: torch.Tensor, logp: torch.Tensor, k: int):
     kids = logp.topk(min(k, logp.shape[1]), dim=-1)                         # (F, k)
     score = (scores[:, None] + kids.values).flatten()
     rows = torch.arange(logp.shape[0], device=logp.device).repeat_interleave(kids.indices.shape[1])
-    order = sorted(range(score.numel()), key=lambda j: (-float(score[j]), j))
-    return kids.indices.flatten(), score, rows, torch.tensor(order[:k], dtype=torch.long,
-                                                               device=logp.device)
+    order = score.sort(descending=True, stable=True).indices      # ties: the earlier row
+    return kids.indices.flatten(), score, rows, order[:k]
 
 
 class Eagle3Session:
