@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
-from sharpdraft import cli
-from sharpdraft.bench import corpus_prompts, decode
-from sharpdraft.engine import autoregressive_generate
+from sharpdraft.cli import commands as cli
+from sharpdraft.eval.bench import corpus_prompts, decode
+from sharpdraft.inference.engine import autoregressive_generate
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

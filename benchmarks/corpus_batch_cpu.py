@@ -1,5 +1,5 @@
 """Corpus generation speed by batch size and prompt length (CPU): the default target, prepared
-as `sharpdraft data generate` prepares it, runs `sharpdraft.corpus.generate_batch` on random
+as `sharpdraft data generate` prepares it, runs `sharpdraft.data.corpus.generate_batch` on random
 prompts of each length for each batch size, without EOS (every row decodes --new tokens). The
 prefill is timed by a one-token run of the same batch, so decode tokens/s = B (new - 1) /
 (total - prefill). Prints a Markdown table; --json writes the rows.
@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from sharpdraft import corpus, models
-from sharpdraft.runtime import prepare_target
+from sharpdraft.data import corpus
+from sharpdraft.target import loading as models
+from sharpdraft.target.runtime import prepare_target
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sharpdraft import cli
-from sharpdraft.bench import corpus_prompts, decode
+from sharpdraft.cli import commands as cli
+from sharpdraft.eval.bench import corpus_prompts, decode
 from sharpdraft.training import eagle3 as te, pard as tp
 from sharpdraft.training.cache import compute_features, trained_rows
 

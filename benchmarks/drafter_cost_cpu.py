@@ -23,11 +23,11 @@ import matplotlib
 import torch
 from tqdm import tqdm
 
-from sharpdraft.bench import KJV_TASK, kjv_passage
-from sharpdraft.cli import CHECKPOINTS
+from sharpdraft.eval.bench import KJV_TASK, kjv_passage
+from sharpdraft.drafters.loading import SHIPPED as CHECKPOINTS
 from sharpdraft.drafters import registry
-from sharpdraft.engine import speculative_generate
-from sharpdraft.models import load_target
+from sharpdraft.inference.engine import speculative_generate
+from sharpdraft.target.loading import load_target
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

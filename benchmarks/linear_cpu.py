@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import sharpdraft_ext as ext
-from sharpdraft.bench import kjv_passage
-from sharpdraft.models import load_target
-from sharpdraft.runtime import ROW_REGIMES, TargetRuntime
+from sharpdraft.eval.bench import kjv_passage
+from sharpdraft.target.loading import load_target
+from sharpdraft.target.linears import ROW_REGIMES
+from sharpdraft.target.runtime import TargetRuntime
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

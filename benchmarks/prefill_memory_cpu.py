@@ -1,6 +1,6 @@
 """Peak memory (RSS) of a long-prompt prefill on the default target: Hugging Face's forward with
 every position's logits and all hidden states (what the engine did before the target runtime),
-`logits_to_keep=1`, and `sharpdraft.runtime.TargetRuntime` (last-row logits, the shipped DFlash
+`logits_to_keep=1`, and `sharpdraft.target.TargetRuntime` (last-row logits, the shipped DFlash
 drafter's hidden layers only, preallocated cache). Each mode runs in a fresh process, so its
 peak RSS (ru_maxrss) is its own.
 
@@ -24,11 +24,11 @@ def run_mode(mode: str, context: int, new_tokens: int) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from sharpdraft.bench import kjv_passage
-    from sharpdraft.cli import CHECKPOINTS
+    from sharpdraft.eval.bench import kjv_passage
+    from sharpdraft.drafters.loading import SHIPPED as CHECKPOINTS
     from sharpdraft.drafters.dflash import DFlashDrafter
-    from sharpdraft.models import load_target
-    from sharpdraft.runtime import TargetRuntime
+    from sharpdraft.target.loading import load_target
+    from sharpdraft.target.runtime import TargetRuntime
 
     target, tokenizer, _ = load_target()
     ids = tokenizer(kjv_passage(tokenizer, context), return_tensors="pt").input_ids[:, :context]

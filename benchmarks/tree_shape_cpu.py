@@ -25,9 +25,9 @@ import matplotlib
 import torch
 from tqdm import tqdm
 
-from sharpdraft import cli
-from sharpdraft.bench import KJV_TASK, corpus_prompts, decode, kjv_passage, warm_up
-from sharpdraft.engine import autoregressive_generate
+from sharpdraft.cli import commands as cli
+from sharpdraft.eval.bench import KJV_TASK, corpus_prompts, decode, kjv_passage, warm_up
+from sharpdraft.inference import autoregressive_generate, prompt_ids
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -74,7 +74,7 @@ def main():
     base = drafter.config
     prompts = corpus_prompts(args.corpus, args.corpus_prompts)
     if args.kjv_context:
-        ids = cli.build_prompt(tokenizer, KJV_TASK, kjv_passage(tokenizer, args.kjv_context,
+        ids = prompt_ids(tokenizer, KJV_TASK, kjv_passage(tokenizer, args.kjv_context,
                                                                "--kjv-context"), True)
         prompts.append({"name": f"genesis-{args.kjv_context}", "ids": ids})
     methods = {"chain": (base, False)}

@@ -3,7 +3,7 @@ target-only decoding speed, on the default target (CPU), next to the hardware fl
 
 1. Forward cost. After a Genesis context of each --contexts length, forwards over n tokens (the
    verification of n - 1 drafts) on top of the KV cache, for Hugging Face's own forward (SDPA,
-   DynamicCache, nn.Linear: what users run) and for `sharpdraft.runtime.TargetRuntime`; the two
+   DynamicCache, nn.Linear: what users run) and for `sharpdraft.target.TargetRuntime`; the two
    are interleaved, median of --repeats, the cache cropped back after each. The floor of a
    forward is max(bytes read / measured read bandwidth, FLOPs / measured GEMM peak), with bytes =
    the weights + the KV cache, and FLOPs = 2 x parameters x n + the attention's 4 x n x context x
@@ -28,10 +28,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from sharpdraft.bench import KJV_TASK, kjv_passage
-from sharpdraft.engine import autoregressive_generate
-from sharpdraft.models import default_gguf, load_target
-from sharpdraft.runtime import TargetRuntime
+from sharpdraft.eval.bench import KJV_TASK, kjv_passage
+from sharpdraft.inference.engine import autoregressive_generate
+from sharpdraft.target.loading import default_gguf, load_target
+from sharpdraft.target.runtime import TargetRuntime
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

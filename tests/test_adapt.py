@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from sharpdraft.analysis import adapt
-from sharpdraft.engine import autoregressive_generate, speculative_generate
-from sharpdraft.runtime import TargetRuntime
+from sharpdraft.eval import adapt
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
+from sharpdraft.target.runtime import TargetRuntime
 from sharpdraft_helpers import tiny_drafter, tiny_eagle3, tiny_target
 
 pytest.importorskip("peft")

@@ -1,4 +1,4 @@
-"""sharpdraft.analysis.mass: row statistics by hand, the probe's logits against the kernel, the
+"""sharpdraft.eval.mass: row statistics by hand, the probe's logits against the kernel, the
 scalings' properties, and the command on tiny models."""
 import json
 import math
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import sharpdraft_ext as ext
-from sharpdraft.analysis import mass
+from sharpdraft.eval import mass
 from sharpdraft.attention import observe
-from sharpdraft.engine import speculative_generate
+from sharpdraft.inference.engine import speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 
@@ -131,7 +131,7 @@ def test_analyze_mass_writes_its_report(tmp_path):
 
 # ----- calibration -----------------------------------------------------------------------------
 def test_contrast_inverts_the_two_level_mass():
-    from sharpdraft.analysis import calibrate
+    from sharpdraft.eval import calibrate
     for n_ref, k, delta in ((1024, 32, 5.0), (512, 8, 2.3), (2048, 32, 7.5)):
         m = 1 / (1 + (n_ref - k) / k * math.exp(-delta))        # SPEC §1 at beta = 1
         assert calibrate.contrast_from_mass(m, n_ref, k) == pytest.approx(delta, rel=1e-10)
@@ -143,8 +143,8 @@ def test_contrast_inverts_the_two_level_mass():
 
 
 def test_calibrate_writes_slopes_that_generate_then_uses(tmp_path):
-    from sharpdraft import cli
-    from sharpdraft.analysis import calibrate
+    from sharpdraft.cli import commands as cli
+    from sharpdraft.eval import calibrate
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4, train_context=40)
     folder = tmp_path / "ckpt"
@@ -185,7 +185,7 @@ def _text_seq(target, layer_ids, T=90, seed=0):
 def _session_drafts(target, drafter, ids, a):
     """Greedy drafts at anchor a through the inference path: a session after the prefix
     ids[:a], the last committed token ids[a] at position a."""
-    from sharpdraft.runtime import TargetRuntime
+    from sharpdraft.target.runtime import TargetRuntime
     rt = TargetRuntime(target, hidden_layers=drafter.hidden_layers, pack=False)
     rt.start(a + 1)
     with torch.no_grad():
@@ -231,7 +231,7 @@ def _seq_with_known_leads(target, drafter):
 def test_sweep_leads_match_the_inference_sessions(kind):
     """The parallel teacher-forced leads equal what a session drafts at each anchor (the
     text of `_seq_with_known_leads`)."""
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     target = tiny_target()
     drafter = _tiny(kind, target)
     seq, anchors, wants = _seq_with_known_leads(target, drafter)
@@ -246,7 +246,7 @@ def test_sweep_leads_of_a_bfloat16_drafter(kind):
     teacher-forced sweep on the float16 cached features of a float32 text with known leads:
     leads in [0, drafts], equal to the known ones at most anchors (bfloat16 rounding may flip a
     near tie)."""
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     target = tiny_target()
     drafter = _tiny(kind, target)
     seq, anchors, wants = _seq_with_known_leads(target, drafter)
@@ -259,7 +259,7 @@ def test_sweep_leads_of_a_bfloat16_drafter(kind):
 
 
 def test_bootstrap_interval_covers_the_mean_and_shrinks():
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     x = torch.arange(100.0) % 7
     m, lo, hi = sweep.bootstrap_ci(x)
     assert lo < m < hi and m == pytest.approx(float(x.mean()))
@@ -268,7 +268,7 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks():
 
 
 def test_sweep_run_writes_paired_tables(tmp_path):
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     from sharpdraft.training import cache as tc
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4, train_context=40)
@@ -308,7 +308,7 @@ def _report(leads_by_scaling, anchors=((0, 10), (0, 20), (1, 15), (1, 30))):
 def test_compare_pairs_checkpoints_anchor_by_anchor():
     """analysis.sweep.compare: the paired difference is the mean of the per-anchor differences
     (by hand), the base comes first, and mismatched anchors or missing leads are refused."""
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     base = _report({"frozen": [0, 1, 2, 1], "slope 0.2": [0, 1, 2, 3]})
     other = _report({"frozen": [1, 1, 2, 4], "slope 0.2": [1, 1, 1, 4]})
     rows = sweep.compare(base, {"pskip": other})
@@ -340,7 +340,7 @@ def test_compare_pairs_checkpoints_anchor_by_anchor():
 def test_cli_analyze_compare(tmp_path, capsys):
     """`sharpdraft analyze compare` writes compare.json/md/png from sweep folders (no model)
     and names a folder without sweep.json."""
-    from sharpdraft import cli
+    from sharpdraft.cli import commands as cli
     for name, leads in (("a", [0, 1, 2, 1]), ("b", [2, 1, 2, 1])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "sweep.json").write_text(json.dumps(_report({"frozen": leads})))
@@ -358,7 +358,7 @@ def test_cli_analyze_compare(tmp_path, capsys):
 def test_long_decode_buckets_every_step_by_output_length(tmp_path):
     """analysis.long_decode: one row per (scaling, bucket) whose steps add up to each run's
     verification steps; the text is the same under every scaling (lossless greedy)."""
-    from sharpdraft.analysis import long_decode
+    from sharpdraft.eval import long_decode
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4)
 
@@ -382,7 +382,7 @@ def test_long_decode_buckets_every_step_by_output_length(tmp_path):
 
 
 def test_bootstrap_diff_brackets_the_difference():
-    from sharpdraft.analysis.long_decode import bootstrap_diff
+    from sharpdraft.eval.long_decode import bootstrap_diff
     x = torch.tensor([3.0, 4.0, 5.0, 4.0] * 10)
     y = torch.tensor([1.0, 2.0, 1.0, 2.0] * 10)
     d, lo, hi = bootstrap_diff(x, y)
@@ -392,7 +392,7 @@ def test_bootstrap_diff_brackets_the_difference():
 def test_bucket_table_by_hand():
     """One row per scaling in first-seen order, one column per sorted bucket; a missing
     (scaling, bucket) pair is an empty cell and ``skip`` drops a scaling."""
-    from sharpdraft.analysis.sweep import bucket_table, delta_table
+    from sharpdraft.eval.sweep import bucket_table, delta_table
 
     rows = [{"scaling": "sharp", "bucket": [2048, 4096], "v": 2.5, "delta_vs_frozen": 0.25,
              "delta_ci95": [-0.5, 1.0]},

@@ -1,4 +1,4 @@
-"""The converted-target cache (sharpdraft.models.resolve_target): concurrent conversions, a
+"""The converted-target cache (sharpdraft.target.resolve_target): concurrent conversions, a
 conversion killed midway, and messages on stderr. The slow transformers conversion is replaced
 by a fake whose save_pretrained writes a few small files."""
 import hashlib
@@ -9,7 +9,7 @@ import signal
 import pytest
 import transformers
 
-from sharpdraft import models
+from sharpdraft.target import loading as models
 
 EXPECTED = {"config.json", "model.safetensors", "tokenizer.json", models.PROVENANCE_FILE}
 

@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from sharpdraft import cli
+from sharpdraft.cli import commands as cli
 from sharpdraft.drafters import registry
 from sharpdraft_helpers import tiny_target
 
@@ -119,7 +119,7 @@ def test_kjv_context_beyond_genesis_names_the_flag(checkpoint):
 
 
 def test_bench_table_summarises_each_kind():
-    from sharpdraft.bench import markdown_table
+    from sharpdraft.eval.bench import markdown_table
 
     def row(name, kind, tf, sf, ts, ss):     # decode speedups: 2x the end-to-end ones
         return {"name": name, "kind": kind, "prompt_tokens": 100,
@@ -144,7 +144,7 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     variant, frozen and SharpDraft both lossless, JSON and plot written."""
     import torch
 
-    from sharpdraft.bench import run_bench
+    from sharpdraft.eval.bench import run_bench
     from sharpdraft_helpers import tiny_eagle3
 
     target = tiny_target()
@@ -169,7 +169,7 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
     # the weights benched are named by content: the same module twice gives one digest, and
     # a change of one weight (by hand, independent of the digest code) gives another
-    from sharpdraft.bench import weights_sha256
+    from sharpdraft.eval.bench import weights_sha256
     digest = saved["settings"]["drafter_sha256"]
     assert digest["eagle3-chain"] == digest["eagle3-tree"] == weights_sha256(drafter)
     assert len(digest["eagle3-chain"]) == 64

@@ -1,4 +1,4 @@
-"""sharpdraft.corpus: the prompt set, batched generation, shards, resume and `data generate`
+"""sharpdraft.data.corpus: the prompt set, batched generation, shards, resume and `data generate`
 (a tiny random Llama and a word-level tokenizer with a chat template; seconds on CPU)."""
 import dataclasses
 import json
@@ -11,8 +11,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from sharpdraft import cli, corpus, data
-from sharpdraft.runtime import prepare_target
+from sharpdraft.cli import commands as cli
+from sharpdraft.data import corpus, sources as data
+from sharpdraft.target.runtime import prepare_target
 from sharpdraft_helpers import tiny_target
 
 WORDS = ("the lord god said unto him and her earth heaven light day night water was it "
@@ -421,7 +422,7 @@ def test_data_generate_rejects_bad_values_naming_the_flag(flag, value, capsys):
 
 # ----- what reads the corpus: held-out bench prompts, the training feature cache -----------------
 def test_bench_corpus_prompts_are_heldout_first_turns_without_their_response(target, tmp_path):
-    from sharpdraft.bench import corpus_prompts
+    from sharpdraft.eval.bench import corpus_prompts
     model, tok = target
     run(model, tok, tmp_path / "c")
     held = corpus.load(tmp_path / "c", "heldout")

@@ -9,8 +9,8 @@ from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import eagle3 as e3
 from sharpdraft.drafters.eagle3 import DraftTree, Eagle3Drafter
-from sharpdraft.engine import (autoregressive_generate, speculative_generate,
-                               tree_speculative_generate, verify_tree)
+from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
+                                         tree_speculative_generate, verify_tree)
 from sharpdraft_helpers import tiny_eagle3, tiny_target
 from test_engine import assert_second_token_follows_target, chi_square, hf_greedy
 

@@ -7,7 +7,7 @@ import torch
 
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters.dflash import DFlashDrafter
-from sharpdraft.engine import _verify, autoregressive_generate, speculative_generate
+from sharpdraft.inference.engine import _verify, autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 

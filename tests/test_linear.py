@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sharpdraft_ext as ext
-from sharpdraft import runtime
-from sharpdraft.runtime import (LINEAR_PATHS, PANEL_MAX_ROWS, ROW_REGIMES, PackedLinear,
-                                linear_paths, plan_linears)
+from sharpdraft.target import linears
+from sharpdraft.target.linears import (LINEAR_PATHS, PANEL_MAX_ROWS, ROW_REGIMES, PackedLinear,
+                                       linear_paths, plan_linears)
 
 
 def _case(rows, n, k, bias, seed, lead=()):
@@ -166,8 +166,8 @@ def test_packed_linear_takes_the_path_of_each_row_regime(monkeypatch):
     """One path per ROW_REGIMES entry: 1 row, 2 .. 32 rows, 33 .. 96 rows; past that the panel
     kernel gives way to F.linear (a prefill), while oneDNN keeps its path."""
     taken = []
-    real = runtime._run
-    monkeypatch.setattr(runtime, "_run", lambda p, *a: taken.append(p) or real(p, *a))
+    real = linears.run_path
+    monkeypatch.setattr(linears, "run_path", lambda p, *a: taken.append(p) or real(p, *a))
     lin = torch.nn.Linear(24, 40)
     bounds = [top for top, _ in ROW_REGIMES]
     assert bounds == [1, 32, 96] and PANEL_MAX_ROWS == 96

@@ -6,8 +6,9 @@ import torch
 import sharpdraft_ext as ext
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters.longspark import LongSparkConfig, LongSparkDrafter, merge_lse
-from sharpdraft.engine import autoregressive_generate, speculative_generate
-from sharpdraft.runtime import PreallocatedCache, TargetRuntime
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
+from sharpdraft.target.kv_cache import PreallocatedCache
+from sharpdraft.target.runtime import TargetRuntime
 from conftest import assert_close_spec
 from sharpdraft_helpers import tiny_target
 from test_engine import chi_square, exact_first_two
@@ -216,7 +217,7 @@ def test_bad_config_and_target_are_named(target):
 
 
 def test_sweep_runs_every_scaling_in_both_scopes(target, tmp_path):
-    from sharpdraft.analysis import sweep
+    from sharpdraft.eval import sweep
     from sharpdraft.training import cache as tc
 
     d = tiny_longspark(target)

@@ -8,7 +8,7 @@ import torch
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters.base import window_mask
 from sharpdraft.drafters.pard import PARDDrafter, conditional_keep, parallel_draft_mask
-from sharpdraft.engine import autoregressive_generate, speculative_generate
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_pard, tiny_target
 from test_engine import assert_second_token_follows_target, hf_greedy
 

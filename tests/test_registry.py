@@ -8,7 +8,7 @@ import torch
 from sharpdraft import training
 from sharpdraft.drafters import registry
 from sharpdraft.drafters.base import Drafter
-from sharpdraft.engine import autoregressive_generate, speculative_generate
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_target
 
 

@@ -1,4 +1,4 @@
-"""Target runtime (sharpdraft.runtime): the same numbers as the Hugging Face model's own forward
+"""Target runtime (sharpdraft.target): the same numbers as the Hugging Face model's own forward
 (SPEC section 6 rule, with the model itself in float64 as the reference), a preallocated cache
 that crops and keeps tree paths exactly as a fresh forward over the kept tokens, hidden states of
 the asked layers only, prepacked linears equal to nn.Linear, and the context-length check."""
@@ -11,8 +11,9 @@ from transformers import DynamicCache
 
 from conftest import assert_close_spec
 from sharpdraft.attention import sharp_mask
-from sharpdraft.engine import autoregressive_generate, speculative_generate
-from sharpdraft.runtime import PackedLinear, TargetRuntime, prepare_target
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
+from sharpdraft.target.linears import PackedLinear
+from sharpdraft.target.runtime import TargetRuntime, prepare_target
 from sharpdraft_helpers import tiny_drafter, tiny_target
 from test_engine import pristine
 

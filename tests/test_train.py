@@ -7,10 +7,10 @@ import torch
 
 import numpy as np
 
-from sharpdraft import data
+from sharpdraft.data import sources as data
 from sharpdraft.drafters.dflash import DFlashDrafter
 from sharpdraft.training import cache as tc, dflash as td, eagle3 as te, loop, losses, pard as tp
-from sharpdraft.engine import autoregressive_generate, speculative_generate
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 
@@ -248,9 +248,9 @@ def test_choose_autocast_picks_the_precision_it_measured_faster(monkeypatch):
     """--autocast auto / --cache-dtype auto: both precisions are timed, and bfloat16 autocast
     is chosen exactly when its median is the lower one (real timings, then set ones both
     ways)."""
-    from sharpdraft import runtime
+    from sharpdraft.target import precision
 
-    dtype, ms = runtime.choose_autocast(tiny_target(), rows=64, repeats=3)
+    dtype, ms = precision.choose_autocast(tiny_target(), rows=64, repeats=3)
     assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for v in ms.values())
     assert (dtype is torch.bfloat16) == (ms["bfloat16"] < ms["float32"])
 
@@ -260,10 +260,10 @@ def test_choose_autocast_picks_the_precision_it_measured_faster(monkeypatch):
             fn()                                   # both candidates run
         return dict(times)
 
-    monkeypatch.setattr(runtime, "_interleaved_medians", fake)
+    monkeypatch.setattr(precision, "interleaved_medians", fake)
     for times, want in (({"float32": 2e-3, "bfloat16": 1e-3}, torch.bfloat16),
                         ({"float32": 1e-3, "bfloat16": 2e-3}, None)):
-        assert runtime.choose_autocast(tiny_target(), rows=8) == (
+        assert precision.choose_autocast(tiny_target(), rows=8) == (
             want, {k: round(1e3 * v, 4) for k, v in times.items()})
 
 

@@ -90,7 +90,7 @@ def observe(callback):
     """Call `callback(module, layer, q, k, kwargs, sharp_kwargs)` on every `attend` inside the
     block (q, k as the kernel sees them; kwargs: causal / window / attn_mask / scale ...;
     sharp_kwargs: the scaling keywords, slope resolved for the layer). For analyses
-    (`sharpdraft.analysis`), never the hot path: with no observer `attend` checks one list."""
+    (`sharpdraft.eval`), never the hot path: with no observer `attend` checks one list."""
     _OBSERVERS.append(callback)
     try:
         yield callback

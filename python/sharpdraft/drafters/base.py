@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from ..runtime import as_packed, plan_linears
+from ..target.linears import as_packed, plan_linears
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -175,6 +175,9 @@ class Drafter(nn.Module):
     config_class = None
     needs_hidden_states = True
     drafts_trees = False          # sessions also have propose_tree (tree_speculative_generate)
+    # The config fields that shape a draft tree (inference options, no effect on the weights),
+    # settable at load time (`load_drafter(overrides=...)`, the CLI's --tree-* flags).
+    tree_options: tuple = ()
     # Inference option: attend only to the last `context_window` context keys (None: all of
     # them). Drafters that honour it set supports_context_window (issue 16: a drafter trained on
     # short sequences misplaces attention at distances it never saw; a window keeps it in
@@ -199,6 +202,20 @@ class Drafter(nn.Module):
             self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
         else:
             self.d2t = None
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """Nodes of the largest draft tree a session proposes (0 for a chain-only drafter)."""
+        return 0
+
+    @property
+    def max_tree_depth(self) -> int:
+        """Depth of the deepest draft tree a session proposes (0 for a chain-only drafter)."""
+        return 0
+
+    def tree_shape(self) -> dict:
+        """{field: value} of the `tree_options` config fields ({} for a chain-only drafter)."""
+        return {f: getattr(self.config, f) for f in self.tree_options}
 
     def sharp_variants(self) -> dict:
         """{suffix: drafter} of the ways SharpDraft can act on this drafter, for the bench to
@@ -234,7 +251,7 @@ class Drafter(nn.Module):
 
     def _draft_head(self, lm_head: nn.Module) -> nn.Module:
         """The target LM head's rows d2t as one linear layer (prepacked like the target's, see
-        sharpdraft.runtime), gathered once and again only when the head's weight, its dtype
+        sharpdraft.target), gathered once and again only when the head's weight, its dtype
         or d2t change, instead of gathering (draft vocab x hidden) floats on every call."""
         w = lm_head.weight
         key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
@@ -307,8 +324,9 @@ class Drafter(nn.Module):
                   str(folder / WEIGHTS_FILE))
 
     @classmethod
-    def read_config(cls, folder):
-        """The `config_class` instance of a checkpoint folder's config.json.
+    def read_config(cls, folder, overrides: Optional[dict] = None):
+        """The `config_class` instance of a checkpoint folder's config.json, with `overrides`
+        ({field: value}, validated like the file's own fields) applied.
 
         Raises:
             ValueError naming the folder: config.json is not a config of this drafter kind
@@ -324,6 +342,10 @@ class Drafter(nn.Module):
         names = {f.name for f in fields}
         required = {f.name for f in fields if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING}
+        bad = sorted(set(overrides or {}) - names)
+        if bad:
+            raise ValueError(f"overrides: {', '.join(bad)} not field(s) of {kind}")
+        raw = dict(raw, **(overrides or {}))
         unknown, missing = sorted(set(raw) - names), sorted(required - set(raw))
         if unknown or missing:
             parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + (
@@ -336,10 +358,12 @@ class Drafter(nn.Module):
             raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE}: {err}") from err
 
     @classmethod
-    def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None):
+    def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None,
+             overrides: Optional[dict] = None):
         """Build a drafter from a folder written by `save`.
 
         Args:
+            overrides: {config field: value} applied over config.json (e.g. the tree shape).
             target: the target model it will draft for; when given the drafter is checked
                 against it (`check_target`) before it is returned.
 
@@ -353,7 +377,7 @@ class Drafter(nn.Module):
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (folder / name).exists():
                 raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
-        model = cls(cls.read_config(folder), sharp)
+        model = cls(cls.read_config(folder, overrides), sharp)
         try:
             model.load_state_dict(load_file(str(folder / WEIGHTS_FILE),
                                             device=str(device or "cpu")))

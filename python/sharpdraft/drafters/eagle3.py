@@ -116,6 +116,7 @@ class Eagle3Drafter(Drafter):
 
     config_class = Eagle3Config
     drafts_trees = True
+    tree_options = ("tree_topk", "tree_depth", "tree_tokens")
     supports_context_window = True
 
     def __init__(self, config: Eagle3Config, sharp: Optional[SharpConfig] = None):
@@ -254,6 +255,14 @@ class Eagle3Drafter(Drafter):
         """The base checks and the fused target features (target_hidden_size, target_layer_ids)."""
         return super().target_problems(target) + feature_layer_problems(self.config,
                                                                         target.config)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.config.tree_tokens
+
+    @property
+    def max_tree_depth(self) -> int:
+        return self.config.tree_depth
 
     @property
     def max_drafts(self) -> int:

@@ -7,8 +7,9 @@ shipped checkpoint for the default target; whether it drafts trees comes from it
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -22,8 +23,9 @@ from .pard import PARDConfig, PARDDrafter
 @dataclass(frozen=True)
 class DrafterKind:
     """name: the CLI's --drafter value; title: its name in prose; cls: the Drafter class;
-    untrained(target, tokenizer, layers, block_size) -> an untrained drafter for that target
-    (lossless, tau about 1; `layers` / `block_size` where the kind has them); recipe: the module
+    untrained(target, tokenizer, layers, block_size, overrides) -> an untrained drafter for that
+    target (lossless, tau about 1; `layers` / `block_size` where the kind has them; `overrides`:
+    config fields replaced before it is built); recipe: the module
     of its training recipe (`add_arguments(parser)`, `main(args)`); checkpoint: its shipped
     checkpoint folder under sharpdraft/checkpoints for the default target."""
 
@@ -40,27 +42,29 @@ class DrafterKind:
         return bool(self.cls.drafts_trees)
 
 
-def _dflash(target, tokenizer, layers: int, block_size: int) -> Drafter:
+def _dflash(target, tokenizer, layers: int, block_size: int, overrides: dict) -> Drafter:
     cfg = DFlashConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                    num_layers=layers, block_size=block_size)
-    return DFlashDrafter(cfg)
+    return DFlashDrafter(dataclasses.replace(cfg, **overrides))
 
 
-def _eagle3(target, tokenizer, layers: int, block_size: int) -> Drafter:
-    return Eagle3Drafter(Eagle3Config.from_target(target.config))
+def _eagle3(target, tokenizer, layers: int, block_size: int, overrides: dict) -> Drafter:
+    return Eagle3Drafter(dataclasses.replace(Eagle3Config.from_target(target.config),
+                                             **overrides))
 
 
-def _pard(target, tokenizer, layers: int, block_size: int) -> Drafter:
-    drafter = PARDDrafter(PARDConfig.from_target(target.config, num_layers=layers,
-                                                 num_draft_tokens=block_size - 1))
+def _pard(target, tokenizer, layers: int, block_size: int, overrides: dict) -> Drafter:
+    cfg = PARDConfig.from_target(target.config, num_layers=layers,
+                                 num_draft_tokens=block_size - 1)
+    drafter = PARDDrafter(dataclasses.replace(cfg, **overrides))
     drafter.init_from_target(target)        # the target's first layers: an early-exit model
     return drafter
 
 
-def _longspark(target, tokenizer, layers: int, block_size: int) -> Drafter:
+def _longspark(target, tokenizer, layers: int, block_size: int, overrides: dict) -> Drafter:
     cfg = LongSparkConfig.from_target(target.config, mask_token_id=default_mask_token_id(tokenizer),
                                       num_layers=layers, num_drafts=block_size - 1)
-    drafter = LongSparkDrafter(cfg)
+    drafter = LongSparkDrafter(dataclasses.replace(cfg, **overrides))
     drafter.init_from_target(target)        # draft layers = the paired target layers
     return drafter
 
@@ -94,7 +98,20 @@ def get(name: str) -> DrafterKind:
 
 
 def build_untrained(name: str, target, tokenizer, *, layers: int = 2, block_size: int = 8,
-                    seed: int = 0) -> Drafter:
-    """An untrained drafter of kind `name` for `target`, seeded, in eval mode."""
+                    seed: int = 0, overrides: Optional[dict] = None) -> Drafter:
+    """An untrained drafter of kind `name` for `target`, seeded, in eval mode; `overrides`
+    ({config field: value}) replace fields of the config built for the target before the
+    drafter is built (validated by the config).
+
+    Raises:
+        ValueError: unknown kind, or an override that is not a field of its config.
+    """
     torch.manual_seed(seed)
-    return get(name).untrained(target, tokenizer, layers, block_size).eval()
+    kind = get(name)
+    if overrides:
+        fields = {f.name for f in dataclasses.fields(kind.cls.config_class)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
+                             f"{kind.cls.config_class.__name__}")
+    return kind.untrained(target, tokenizer, layers, block_size, overrides or {}).eval()

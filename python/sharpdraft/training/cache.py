@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .. import data
-from ..runtime import captured_hidden_states
+from ..data import sources as data
+from ..target.runtime import captured_hidden_states
 
 SHARD_SEQUENCES = 16
 FIELDS = ("ids", "feats", "top_p", "top_i", "trained")
@@ -353,14 +353,14 @@ def text_sequences(tokenizer, split: str, tokens: int, seq_len: int, seed: int =
 
 
 def corpus_sequences(folder, split: str, tokens: int, max_len: int):
-    """Conversations of a self-distilled corpus (`sharpdraft.corpus`), in corpus order, until
+    """Conversations of a self-distilled corpus (`sharpdraft.data.corpus`), in corpus order, until
     `tokens` response tokens: (sequences, trained flags, meta). A conversation longer than
     `max_len` keeps its last `max_len` tokens (the response is at the end).
 
     Raises:
         FileNotFoundError: `folder` holds no corpus, or none of the split.
     """
-    from .. import corpus
+    from ..data import corpus
 
     c = corpus.load(folder, split)
     if len(c) == 0:
@@ -401,7 +401,7 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
     stores nothing: "features" is an `OnlineFeatures` and "folder" None. autocast: the target
     forwards run under `torch.autocast` in this dtype (`compute_features`), recorded in the
     meta as "autocast" and so keyed apart from the target's own precision."""
-    from ..models import sharpdraft_home
+    from ..target.loading import sharpdraft_home
 
     if corpus:
         seqs, trained, meta = corpus_sequences(corpus, split, tokens, seq_len)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..runtime import choose_autocast
+from ..target.precision import choose_autocast
 from .cache import autocast_to, cached_features
 
 
@@ -155,7 +155,7 @@ def training_device(name: str) -> torch.device:
 def prepare_run(args, layer_ids: Callable) -> tuple:
     """Threads, seed, the target (float32) and the train / held-out caches of the target layers
     `layer_ids(target)`: (target, tokenizer, provenance, train, held, cache_seconds)."""
-    from ..models import load_target
+    from ..target.loading import load_target
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

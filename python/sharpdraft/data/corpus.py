@@ -53,7 +53,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import data
+from . import sources as data
 
 FORMAT = "sharpdraft-corpus/1"
 MANIFEST = "manifest.json"
@@ -344,7 +344,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    top_p: float = 1.0, seed: int = 0) -> List[List[int]]:
     """The model's responses to a batch of prompts: one forward per step for the whole batch,
     prompts left-padded with `pad_token_id` (masked out; position ids count real tokens only),
-    keys and values in a `sharpdraft.runtime.PreallocatedCache` sized for the whole batch, and
+    keys and values in a `sharpdraft.target.PreallocatedCache` sized for the whole batch, and
     rows that reached EOS dropped from the batch once a quarter of it has finished.
 
     Args:
@@ -356,7 +356,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         B lists of generated ids, each cut after its first `eos_token_id` (kept) or at
         `max_new_tokens`.
     """
-    from .runtime import PreallocatedCache
+    from ..target.kv_cache import PreallocatedCache
 
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("prompts: need at least one prompt, each with at least one token")
@@ -622,7 +622,7 @@ def generate_corpus(model, tokenizer, out, tokens: int, settings: Settings = Set
     `tokens` response tokens.
 
     Args:
-        model: a causal LM (prepared with `sharpdraft.runtime.prepare_target` for speed on CPU).
+        model: a causal LM (prepared with `sharpdraft.target.prepare_target` for speed on CPU).
         tokenizer: its tokenizer (chat template used when it has one).
         settings: see `Settings`; must equal those of an existing corpus in `out`, except
             batch and batches_per_shard (`RESCHEDULABLE`), which apply to the new shards.

@@ -28,7 +28,6 @@ checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -39,74 +38,42 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
-from .attention import SharpConfig
-from .bench import (KJV_TASK, build_prompts, corpus_prompts, decode, kjv_passage, run_bench,
-                    warm_up)
-from .drafters import registry
-from .engine import GenerationResult, autoregressive_generate
-from .models import load_target
-from .runtime import choose_dtype
+from ..eval.bench import (KJV_TASK, build_prompts, corpus_prompts, decode, kjv_passage, run_bench,
+                          warm_up)
+from ..drafters import load_drafter, registry, shipped_checkpoint
+from ..inference import GenerationResult, autoregressive_generate, prompt_ids
+from ..target.loading import load_target
+from ..target.precision import choose_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_prompt(tokenizer, prompt: str, context: Optional[str], chat: bool) -> torch.Tensor:
-    """(1, L) token ids: the context (if any) then the prompt, in the chat template if asked."""
-    text = f"{context}\n\n{prompt}" if context else prompt
-    if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, return_dict=False)
-        return torch.tensor([list(ids)])
-    return tokenizer(text, return_tensors="pt").input_ids
-
-
-CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-
-
 def default_drafter_path(args) -> Optional[Path]:
-    """The shipped SmolLM2 checkpoint of --drafter for the default target, unless
-    --drafter-path untrained."""
+    """The checkpoint --drafter-path names, else the shipped one of --drafter for the default
+    target; None for an untrained drafter (--drafter-path untrained, or another --target)."""
     if args.drafter_path == "untrained":
         return None
     if args.drafter_path:
         return Path(args.drafter_path)
-    shipped = CHECKPOINTS / registry.get(args.drafter).checkpoint
-    if args.target is None and (shipped / "config.json").exists():
-        return shipped
-    return None
-
-
-TREE_SHAPE = ("tree_topk", "tree_depth", "tree_tokens")   # a tree drafter's config fields
+    return shipped_checkpoint(args.drafter) if args.target is None else None
 
 
 def build_drafter(target, tokenizer, args):
-    """Load --drafter-path (default: the shipped checkpoint of --drafter for the default
-    target), or build an untrained drafter of that kind for this target (seeded).
-
-    Raises:
-        ValueError: the checkpoint is of another drafter kind or does not fit the target (the
-            message names the checkpoint folder and the config field).
-    """
+    """`load_drafter` with the command line's options: --drafter-path (default: the shipped
+    checkpoint of --drafter for the default target, else an untrained drafter, said on
+    stderr), --slope, --n-ref, --context-window, --tree-* and --sharp / --frozen."""
     path = default_drafter_path(args)
-    if path is not None:  # checked against its kind and the target (ValueError naming both)
-        drafter = registry.get(args.drafter).cls.load(path, target=target)
-    else:
-        drafter = registry.build_untrained(args.drafter, target, tokenizer,
-                                           layers=args.drafter_layers,
-                                           block_size=args.block_size, seed=args.seed)
+    shape = {f: getattr(args, f) for f in registry.get(args.drafter).cls.tree_options
+             if getattr(args, f, None) is not None}
+    options = dict(target=target, tokenizer=tokenizer, sharp=getattr(args, "sharp", True),
+                   slope=args.slope, n_ref=args.n_ref, overrides=shape or None,
+                   context_window=getattr(args, "context_window", None))
+    if path is None:
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
               f"(tau ~ 1)", file=sys.stderr)
-    shape = {f: getattr(args, f) for f in TREE_SHAPE if getattr(args, f, None) is not None}
-    if shape:       # --tree-topk / --tree-depth / --tree-tokens: validated by the config
-        drafter.config = dataclasses.replace(drafter.config, **shape)
-    drafter.context_window = getattr(args, "context_window", None)
-    sharp = getattr(args, "sharp", True)      # bench runs both, whatever this says
-    calibrated = getattr(drafter.config, "sharp_slopes", None) if args.slope is None else None
-    drafter.sharp = SharpConfig(mode="fixed_slope" if sharp else "none",
-                                slope=0.2 if args.slope is None else args.slope,
-                                n_ref=args.n_ref if args.n_ref is not None
-                                else drafter.config.train_context, layer_slopes=calibrated)
-    return drafter.to(dtype=target.dtype)
+        return load_drafter(args.drafter, untrained=True, layers=args.drafter_layers,
+                            block_size=args.block_size, seed=args.seed, **options)
+    return load_drafter(path, kind=args.drafter, **options)
 
 
 def check_context(target, prompt_tokens: int, max_new_tokens: int, what: str = "prompt") -> None:
@@ -130,7 +97,7 @@ def check_context(target, prompt_tokens: int, max_new_tokens: int, what: str = "
 
 def load_target_for(args):
     """load_target with --dtype; `auto` measures float32 against bfloat16 on this CPU
-    (`sharpdraft.runtime.choose_dtype`) and says what it chose on stderr. Returns
+    (`sharpdraft.target.choose_dtype`) and says what it chose on stderr. Returns
     (target, tokenizer, provenance) with provenance["dtype"] (and the measurement)."""
     auto = args.dtype == "auto"
     target, tokenizer, provenance = load_target(
@@ -181,8 +148,8 @@ def cmd_bench(args) -> dict:
 
 def cmd_analyze(args) -> dict:
     """`sharpdraft analyze mass|calibrate`: the frozen drafter's attention probed while decoding
-    held-out KJV passages (sharpdraft.analysis.mass.run / calibrate.run)."""
-    from .analysis import calibrate, mass
+    held-out KJV passages (sharpdraft.eval.mass.run / calibrate.run)."""
+    from ..eval import calibrate, mass
 
     if args.analysis == "compare":                 # reads sweep reports only: no target
         return compare_command(args)
@@ -220,7 +187,7 @@ def cmd_analyze(args) -> dict:
 def adapt_command(target, tokenizer, provenance, drafter, args) -> dict:
     """`sharpdraft analyze adapt`: analysis.adapt.run on the bench's Genesis prompts (and
     held-out corpus prompts)."""
-    from .analysis import adapt
+    from ..eval import adapt
 
     if not adapt.OnlineAdapter.supports(drafter):
         raise SystemExit(f"sharpdraft analyze adapt: error: --drafter {args.drafter}: online "
@@ -244,7 +211,7 @@ def compare_command(args) -> dict:
     """`sharpdraft analyze compare BASE OTHER...`: sweep reports of several checkpoints paired
     anchor by anchor against BASE's --base-scaling (analysis.sweep.compare); writes
     compare.json, compare.md and compare.png to --out."""
-    from .analysis import sweep
+    from ..eval import sweep
 
     reports = {}
     for folder in [args.base] + args.others:
@@ -276,12 +243,12 @@ def compare_command(args) -> dict:
 def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
     """`sharpdraft analyze sweep`: held-out sequences through the training feature cache (the
     4 evenly spaced target layers every shipped drafter reads), then analysis.sweep.run."""
-    from .analysis import sweep
-    from .drafters.dflash import evenly_spaced_layers
-    from .training.cache import cached_features
+    from ..eval import sweep
+    from ..drafters.dflash import evenly_spaced_layers
+    from ..training.cache import cached_features
 
     if args.decode:                    # part (b): real decoding with long outputs
-        from .analysis import long_decode
+        from ..eval import long_decode
         prompts = long_decode.long_output_prompts(tokenizer)
         for p in prompts:
             check_context(target, p["ids"].shape[1], args.decode, f"prompt {p['name']}")
@@ -322,7 +289,7 @@ def cmd_generate(args) -> dict:
         context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
     else:
         context = args.context_text
-    ids = build_prompt(tokenizer, prompt, context, not args.no_chat_template)
+    ids = prompt_ids(tokenizer, prompt, context, not args.no_chat_template)
     check_context(target, ids.shape[1], args.max_new_tokens)
     drafter = build_drafter(target, tokenizer, args)
     gen = torch.Generator().manual_seed(args.seed)
@@ -336,9 +303,8 @@ def cmd_generate(args) -> dict:
               "drafter": args.drafter + ("-tree" if args.tree else ""),
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
                         for k, v in drafter.sharp.kernel_kwargs().items()},
-              "max_drafts": drafter.config.tree_tokens if args.tree else drafter.max_drafts,
-              "tree_shape": ({f: getattr(drafter.config, f) for f in TREE_SHAPE} if args.tree
-                             else None),
+              "max_drafts": drafter.max_tree_nodes if args.tree else drafter.max_drafts,
+              "tree_shape": drafter.tree_shape() if args.tree else None,
               "context_window": drafter.context_window,
               "target": provenance}
     if args.compare_ar:
@@ -356,11 +322,11 @@ def cmd_generate(args) -> dict:
 
 def cmd_data(args) -> dict:
     """`sharpdraft data generate`: load and prepare the target, then generate or resume the
-    corpus in --out (sharpdraft.corpus.generate_corpus). Returns a summary: counts per split,
+    corpus in --out (sharpdraft.data.corpus.generate_corpus). Returns a summary: counts per split,
     the measured response tokens/s, the manifest's path."""
-    from . import corpus
-    from .runtime import prepare_target
-    from .training.loop import training_device
+    from ..data import corpus
+    from ..target.runtime import prepare_target
+    from ..training.loop import training_device
 
     device = training_device(args.device)
     if device.type == "cuda" and args.dtype == "float32":
@@ -496,7 +462,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
     kinds = t.add_subparsers(dest="drafter", required=True,
                              metavar="{" + ",".join(registry.names()) + "}")
-    from . import training
+    from .. import training
     for name in registry.names():
         kind = registry.get(name)
         training.recipe(name).add_arguments(kinds.add_parser(
@@ -508,7 +474,7 @@ def parser() -> argparse.ArgumentParser:
     dg = actions.add_parser(
         "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="generate (or resume) a self-distilled corpus: batched target responses to "
-             "prompts from the KJV, champ, HumanEval and stdlib sources (sharpdraft.corpus)")
+             "prompts from the KJV, champ, HumanEval and stdlib sources (sharpdraft.data.corpus)")
     dg.add_argument("--out", required=True, help="corpus folder (an existing one is resumed)")
     dg.add_argument("--tokens", type=int, required=True,
                     help="stop once the train split holds this many response tokens")
@@ -531,7 +497,7 @@ def parser() -> argparse.ArgumentParser:
                     help="one shard in this many is held out (0: none)")
     dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
-    a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.analysis)")
+    a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.eval)")
     analyses = a.add_subparsers(dest="analysis", required=True,
                                 metavar="{mass,calibrate,sweep,compare,adapt}")
     am = analyses.add_parser(
@@ -643,9 +609,10 @@ def _validate(top: argparse.ArgumentParser, args) -> None:
         trees = [n for n in registry.names() if registry.get(n).trees]
         p.error(f"--tree needs a tree drafter ({', '.join(trees)}), got --drafter "
                 f"{args.drafter}")
-    shape = [f"--{f.replace('_', '-')}" for f in TREE_SHAPE
+    tree_flags = ("tree_topk", "tree_depth", "tree_tokens")
+    shape = [f"--{f.replace('_', '-')}" for f in tree_flags
              if getattr(args, f, None) is not None]
-    for name in TREE_SHAPE:
+    for name in tree_flags:
         positive(name)
     if shape and not registry.get(args.drafter).trees:
         p.error(f"{shape[0]} needs a tree drafter "
@@ -719,8 +686,8 @@ def main(argv=None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     if args.command == "train":
-        from . import training
-        from .training.loop import training_device
+        from .. import training
+        from ..training.loop import training_device
         with torch.device(training_device(args.device)):   # new tensors where the data is
             training.recipe(args.drafter).main(args)
         return 0

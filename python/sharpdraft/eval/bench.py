@@ -1,6 +1,6 @@
 """`sharpdraft bench`: target-only AR vs frozen drafters vs the drafters + SharpDraft.
 
-Prompts: KJV passages (Genesis, public domain; the copy shipped in sharpdraft/assets, from Debian's
+Prompts: KJV passages (Genesis, public domain; the copy shipped in sharpdraft/data/assets, from Debian's
 `bible-kjv-text`, read through `sharpdraft.data`, so no root or `bible` tool is needed) cut to a
 given number of tokens and followed by a task, and competition maths problems from the PyPI
 package `champ-dataset`. Each prompt runs AR and every drafter variant, frozen and with
@@ -21,9 +21,9 @@ import matplotlib
 import torch
 from tqdm import tqdm
 
-from . import data
-from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
-                     tree_speculative_generate)
+from ..data import sources as data
+from ..inference.engine import (GenerationResult, autoregressive_generate, speculative_generate,
+                                tree_speculative_generate)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -68,7 +68,7 @@ def corpus_prompts(folder, n: int) -> List[dict]:
     Raises:
         FileNotFoundError: no corpus in `folder`. ValueError: its held-out split is empty.
     """
-    from . import corpus
+    from ..data import corpus
 
     held = corpus.load(folder, "heldout")
     groups: Dict[str, List[int]] = {}

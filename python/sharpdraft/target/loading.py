@@ -216,7 +216,7 @@ def load_target(source: Optional[str] = None, *, dtype: torch.dtype = torch.floa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "sharp":
-        from .attention import register
+        from ..attention import register
         register()
     folder, provenance = resolve_target(source)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ..attention import SharpConfig
 from ..drafters.dflash import DFlashDrafter
-from ..engine import autoregressive_generate, speculative_generate
+from ..inference.engine import autoregressive_generate, speculative_generate
 from ..training.losses import distill_loss, position_weights, target_to_draft
 
 MODES = ("full", "lora")

@@ -30,8 +30,8 @@ import sharpdraft_ext as ext
 from sharpdraft_ext.reference import visible_mask_ref
 
 from ..attention import SharpConfig, observe
-from ..bench import build_prompts
-from ..engine import speculative_generate
+from .bench import build_prompts
+from ..inference.engine import speculative_generate
 
 RECENT = 32
 

@@ -27,7 +27,7 @@ Times: the prefill (prompt forward + first token) is timed apart from the decode
 and the decode's drafting and verification apart from each other (SPEC section 7: speedup and
 decode speedup).
 
-Every loop runs the target through one `sharpdraft.runtime.TargetRuntime` (preallocated KV
+Every loop runs the target through one `sharpdraft.target.TargetRuntime` (preallocated KV
 cache, the sharp kernel with mode "none", logits and hidden states only where used, prepacked
 linear layers), sized for prompt + max_new_tokens + the largest draft and refused, before any
 work, when that exceeds the target's max_position_embeddings.
@@ -42,7 +42,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .runtime import TargetRuntime, prepare_drafter
+from ..target.runtime import TargetRuntime, prepare_drafter
 
 
 @dataclass
@@ -190,7 +190,7 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
 
     Args:
         target: a transformers causal LM (prepared for the runtime on first use, see
-            `sharpdraft.runtime.prepare_target`).
+            `sharpdraft.target.prepare_target`).
         prompt_ids: (1, L) int64 token ids.
         max_new_tokens: stop after this many tokens (>= 1).
         temperature: 0 = greedy, else sampling from softmax(logits / temperature).
@@ -396,7 +396,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
                          f"does); use speculative_generate")
     capacity = _check(target, prompt_ids, max_new_tokens, temperature,
-                      drafter.config.tree_tokens + 1)
+                      drafter.max_tree_nodes + 1)
     runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
     prepare_drafter(drafter)
     tick = _Progress(progress)
@@ -409,7 +409,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     tokens = [last]
     tick(1)
     result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
-                              block_size=drafter.config.tree_depth + 1)
+                              block_size=drafter.max_tree_depth + 1)
     result.prefill_s = time.perf_counter() - start
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()

@@ -20,8 +20,8 @@ from typing import List, Optional
 import torch
 
 from ..attention import SharpConfig, observe
-from ..bench import build_prompts
-from ..engine import speculative_generate
+from .bench import build_prompts
+from ..inference.engine import speculative_generate
 from .mass import AttentionProbe, attention_modules, summarise
 
 MAX_SLOPE = 1.0          # Delta < 1: a nearly uniform layer; its slope is capped here

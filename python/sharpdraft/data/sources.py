@@ -3,7 +3,7 @@
 Sources (each document is a dict ``{"source", "name", "text"}``, optionally with ``"chat"``: a
 ``(user, assistant)`` pair to be rendered with the target's chat template):
 
-* ``kjv``: the King James Bible, shipped compressed in ``sharpdraft/assets/kjv.txt.xz`` (public
+* ``kjv``: the King James Bible, shipped compressed in ``sharpdraft/data/assets/kjv.txt.xz`` (public
   domain, from Debian's ``bible-kjv-text``; see assets/PROVENANCE.md). One document per book.
 * ``champ``: the 270 competition maths problems with step-by-step solutions of the PyPI package
   ``champ-dataset`` (MIT), as chat exchanges.

@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from .. import data
+from ..data import sources as data
 from ..attention import SharpConfig
-from ..engine import speculative_generate
+from ..inference.engine import speculative_generate
 from .sweep import bootstrap_ci, bucket_table, delta_table, plot, scalings
 
 TASKS = {

@@ -1,0 +1,132 @@
+"""`load_drafter`: a drafter for a target from a kind name (its shipped checkpoint, or an
+untrained one) or a checkpoint folder, with its SharpDraft attention configured."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Union
+
+
+from ..attention import SharpConfig
+from . import registry
+from .base import CONFIG_FILE, Drafter
+
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_SLOPE = 0.2
+
+
+def shipped_checkpoint(kind: str) -> Optional[Path]:
+    """The folder of kind `kind`'s checkpoint shipped for the default target (SmolLM2-135M-
+    Instruct), or None when the kind ships none. Raises ValueError for an unknown kind."""
+    folder = SHIPPED / registry.get(kind).checkpoint
+    return folder if (folder / CONFIG_FILE).is_file() else None
+
+
+def detect_kind(folder) -> str:
+    """The registered kind whose config class reads `folder`'s config.json.
+
+    Raises:
+        FileNotFoundError naming the folder: no config.json.
+        ValueError naming the folder: config.json is not JSON, or no kind (or several) reads it.
+    """
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
+    try:
+        json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON ({err})") from None
+    fits = []
+    for name in registry.names():
+        try:
+            registry.get(name).cls.read_config(folder)
+        except ValueError:
+            continue
+        fits.append(name)
+    if len(fits) != 1:
+        what = "no drafter kind" if not fits else f"several kinds ({', '.join(fits)})"
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} fits {what}; pass kind= "
+                         f"(one of {', '.join(registry.names())})")
+    return fits[0]
+
+
+def sharp_config(drafter: Drafter, enabled: bool = True, slope: Optional[float] = None,
+                 n_ref: Optional[int] = None) -> SharpConfig:
+    """The SharpConfig a drafter runs with: fixed-slope SharpDraft (or frozen, mode "none",
+    when not `enabled`) with `slope` (default: the checkpoint's calibrated per-layer slopes
+    where its config has them, else DEFAULT_SLOPE) and `n_ref` (default: the drafter's
+    training context, `config.train_context`)."""
+    calibrated = getattr(drafter.config, "sharp_slopes", None) if slope is None else None
+    return SharpConfig(mode="fixed_slope" if enabled else "none",
+                       slope=DEFAULT_SLOPE if slope is None else slope,
+                       n_ref=drafter.config.train_context if n_ref is None else n_ref,
+                       layer_slopes=calibrated)
+
+
+def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None,
+                 tokenizer=None, sharp: Union[bool, SharpConfig] = True,
+                 slope: Optional[float] = None, n_ref: Optional[int] = None,
+                 context_window: Optional[int] = None, overrides: Optional[dict] = None,
+                 untrained: bool = False, layers: int = 2, block_size: int = 8,
+                 seed: int = 0) -> Drafter:
+    """A drafter for `target`, in eval mode, in the target's dtype, checked to fit it.
+
+    Args:
+        source: a drafter kind (`registry.names()`: dflash, eagle3, pard, longspark), which
+            loads its shipped checkpoint for the default target; or a checkpoint folder
+            (config.json + model.safetensors) of kind `kind` (default: detected from its
+            config).
+        target: the transformers causal LM it drafts for (`load_target`).
+        tokenizer: the target's tokenizer (needed for an untrained DFlash / LongSpark: the mask
+            token).
+        sharp: True = SharpDraft (fixed slope), False = the frozen drafter, or a SharpConfig
+            used as given (then `slope` / `n_ref` are ignored).
+        slope: SharpDraft slope (default: calibrated per-layer slopes where the checkpoint has
+            them, else 0.2). n_ref: reference cardinality (default: the training context).
+        context_window: attend to the last W context positions only (drafters whose class has
+            `supports_context_window`).
+        overrides: {config field: value} over the checkpoint's config (e.g. `tree_options`).
+        untrained: with a kind name: a seeded untrained drafter built for `target` (lossless,
+            tau about 1) of `layers` layers and `block_size` (DFlash block, PARD / LongSpark
+            drafts + 1).
+
+    Raises:
+        FileNotFoundError naming the folder or file: a missing checkpoint file.
+        ValueError naming the argument, folder or config field: unknown kind, a kind that ships
+            no checkpoint, a config or weights that do not match (checked before loading), a
+            drafter that does not fit the target, or an unsupported option.
+    """
+    name = str(source)
+    if name in registry.KINDS:
+        if kind is not None and kind != name:
+            raise ValueError(f"kind: {kind!r} contradicts source {name!r}")
+        kind = name
+        if untrained:
+            drafter = registry.build_untrained(kind, target, tokenizer, layers=layers,
+                                               block_size=block_size, seed=seed,
+                                               overrides=overrides)
+        else:
+            folder = shipped_checkpoint(kind)
+            if folder is None:
+                raise ValueError(f"source: the {kind} drafter ships no checkpoint; pass a "
+                                 f"folder or untrained=True")
+            drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)
+    else:
+        if untrained:
+            raise ValueError(f"untrained: needs a drafter kind as source, got {name!r}")
+        folder = Path(source)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"drafter checkpoint {folder}: no such folder (or kind: "
+                                    f"{', '.join(registry.names())})")
+        kind = kind or detect_kind(folder)
+        drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)
+    if context_window is not None:
+        if not drafter.supports_context_window:
+            raise ValueError(f"context_window: the {kind} drafter has no context window option")
+        if context_window < 1:
+            raise ValueError(f"context_window: must be >= 1, got {context_window}")
+    drafter.context_window = context_window
+    drafter.sharp = sharp if isinstance(sharp, SharpConfig) else sharp_config(
+        drafter, bool(sharp), slope, n_ref)
+    return drafter.to(dtype=target.dtype)

@@ -1,0 +1,12 @@
+"""Decoding: the one engine loop that knows no drafter (`engine`: target-only, chain and tree
+speculative decoding, lossless) and `generate`, the single entry point over them.
+
+Layer: above `target` and `drafters` (it talks to drafters only through the session protocol of
+`drafters.base`); below data, training, eval and the CLI.
+"""
+from .decode import generate, prompt_ids
+from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
+                     tree_speculative_generate)
+
+__all__ = ["GenerationResult", "autoregressive_generate", "generate", "prompt_ids",
+           "speculative_generate", "tree_speculative_generate"]
