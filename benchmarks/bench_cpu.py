@@ -19,7 +19,7 @@ Shapes (names usable with --shapes):
   tree-h9-d64       EAGLE tree Lq16 over 4096 keys      tree-h16-d128     same, H16 D128
 
 Usage:
-  python benchmarks/bench_cpu.py --out benchmarks/results_cpu.md --json benchmarks/results_cpu.json
+  python benchmarks/bench_cpu.py --out benchmarks/results/kernel-cpu/results_cpu.md --json benchmarks/results/kernel-cpu/results_cpu.json
   python benchmarks/bench_cpu.py --quick                      # small shapes, smoke run
   python benchmarks/bench_cpu.py --dtype bfloat16 --shapes prefill,decode --repeats 7
 """

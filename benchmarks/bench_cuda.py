@@ -17,7 +17,7 @@ top-left, so only Lq == Lk (or Lq == 1, non-causal) shapes are benchmarked causa
 TFLOP/s counts 4 * D flops per visible (query, key) pair. Writes a markdown table (and a JSON
 file next to it).
 
-    python benchmarks/bench_cuda.py --out benchmarks/results_cuda_h200.md [--quick]
+    python benchmarks/bench_cuda.py --out benchmarks/results/kernel-gpu/results_cuda_h200.md [--quick]
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results_cuda.md"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "kernel-gpu", "results_cuda.md"))
     ap.add_argument("--quick", action="store_true", help="fewer flash-attn-convention seqlens")
     ap.add_argument("--alt", action="store_true",
                     help="also time the alternative prefill tile (SHARPDRAFT_CUDA_TILE=alt)")
@@ -261,6 +261,7 @@ def main():
               flush=True)
     elapsed = time.time() - t0
     command = "python benchmarks/bench_cuda.py " + " ".join(sys.argv[1:])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_markdown(results, args.out, device, elapsed, args.commit, command)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "commit": args.commit,

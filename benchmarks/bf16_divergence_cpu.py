@@ -8,7 +8,7 @@ the arithmetic differs) after the common prefix, the two tokens and the logit ga
 verification forward over several rows rounds differently from the one-row decode step), not a
 wrong acceptance.
 
-    python benchmarks/bf16_divergence_cpu.py --dtype auto | tee benchmarks/bf16-divergence-cpu/auto.txt
+    python benchmarks/bf16_divergence_cpu.py --dtype auto | tee benchmarks/results/bf16-divergence-cpu/auto.txt
 """
 import argparse
 

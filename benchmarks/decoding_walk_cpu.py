@@ -17,20 +17,23 @@ Prompts: --corpus-prompts first-turn prompts of the corpus's held-out split (nev
 as `sharpdraft bench` picks them. Writes decoding_walk.json and decoding_walk.md to --out.
 
     python benchmarks/decoding_walk_cpu.py --corpus corpus --corpus-prompts 8 \\
-        --out benchmarks/decoding-walk-cpu
+        --out benchmarks/results/decoding-walk-cpu
 """
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from sharpdraft import training
 from sharpdraft.cli import commands as cli
+from sharpdraft.drafters import registry
 from sharpdraft.eval.bench import corpus_prompts, decode
-from sharpdraft.training import eagle3 as te, pard as tp
+from sharpdraft.eval.report import write_report
 from sharpdraft.training.cache import compute_features, trained_rows
+
+# the kinds whose recipe reports the decoding walk (`Recipe.walk_evaluate`)
+WALKED = [n for n in registry.names() if training.recipe(n).RECIPE.walk_evaluate is not None]
 
 
 def sequence(target, ids: torch.Tensor, new_tokens, layer_ids) -> dict:
@@ -45,12 +48,12 @@ def sequence(target, ids: torch.Tensor, new_tokens, layer_ids) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--drafters", nargs="+", default=["eagle3", "pard"], choices=["eagle3", "pard"])
+    p.add_argument("--drafters", nargs="+", default=WALKED, choices=WALKED)
     p.add_argument("--corpus", default="corpus")
     p.add_argument("--corpus-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/decoding-walk-cpu")
+    p.add_argument("--out", default="benchmarks/results/decoding-walk-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     prompts = None
@@ -64,16 +67,12 @@ def main():
         prompts = prompts or corpus_prompts(args.corpus, args.corpus_prompts)
         # the target layers the drafter reads (PARD reads none: one is computed, unused)
         layers = list(getattr(drafter.config, "target_layer_ids", [0]))
+        walk_evaluate = training.recipe_of(drafter).walk_evaluate
         for pr in tqdm(prompts, desc=name, unit="prompt"):
             res = decode(target, drafter, pr["ids"], args.max_new_tokens,
                          eos_token_id=tokenizer.eos_token_id)
             seq = sequence(target, pr["ids"], res.tokens, layers)
-            window = seq["ids"].shape[0]
-            if name == "eagle3":
-                ev = te.evaluate(drafter, target, [seq], torch.arange(seq["feats"].shape[1]),
-                                 window=window)
-            else:
-                ev = tp.evaluate(drafter, target, [seq], window=window)
+            ev = walk_evaluate(drafter, target, [seq], window=seq["ids"].shape[0])
             rows.append({"drafter": name, "prompt": pr["name"], "new_tokens": len(res.tokens),
                          "real_tau": res.tau, "tau_walk": ev["tau_walk"],
                          "tau_proxy": ev["tau_proxy"], "steps": len(res.accept_lengths)})
@@ -82,12 +81,8 @@ def main():
                          for k in ("real_tau", "tau_walk", "tau_proxy")}
         summary[name]["max_abs_walk_minus_real"] = max(abs(r["real_tau"] - r["tau_walk"])
                                                        for r in mine)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "dtype": "float32",
             "prompts": [pr["name"] for pr in prompts], "target": provenance}
-    (out / "decoding_walk.json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "rows": rows}, indent=2, default=str) + "\n")
     lines = [f"Shipped drafters, chain drafting, frozen, greedy, {args.max_new_tokens} new tokens, "
              f"float32, on {len(prompts)} held-out corpus prompts. real: the engine's tau; walk "
              "and proxy: the training recipe's `evaluate` on prompt + that output.", "",
@@ -99,7 +94,8 @@ def main():
               "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['drafter']} | {r['prompt']} | {r['new_tokens']} | {r['steps']} | "
               f"{r['real_tau']:.3f} | {r['tau_walk']:.3f} | {r['tau_proxy']:.3f} |" for r in rows]
-    (out / "decoding_walk.md").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "decoding_walk", {"meta": meta, "summary": summary, "rows": rows},
+                 lines, default=str)
     print("\n".join(lines[:6]))
 
 

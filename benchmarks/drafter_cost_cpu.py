@@ -12,25 +12,20 @@ KV cache, which every method has, so it is not drafter state.
 
 Writes drafter_cost.json, drafter_cost.md and drafter_cost.png to --out.
 
-    python benchmarks/drafter_cost_cpu.py --threads 2 --out benchmarks/drafter_cost_cpu
+    python benchmarks/drafter_cost_cpu.py --threads 2 --out benchmarks/results/drafter-cost-cpu
 """
 import argparse
-import json
 import statistics
-from pathlib import Path
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 from sharpdraft.eval.bench import KJV_TASK, kjv_passage
+from sharpdraft.eval.report import figure, write_report
 from sharpdraft.drafters.loading import SHIPPED as CHECKPOINTS
 from sharpdraft.drafters import registry
 from sharpdraft.inference.engine import speculative_generate
 from sharpdraft.target.loading import load_target
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def recording(drafter, sessions: list):
@@ -51,7 +46,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/drafter_cost_cpu")
+    ap.add_argument("--out", default="benchmarks/results/drafter-cost-cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, tok, provenance = load_target(None, dtype=torch.float32)
@@ -81,11 +76,8 @@ def main() -> None:
                      "draft_ms_per_step": statistics.median(r["draft_ms_per_step"] for r in rs),
                      "all_ms": [round(r["draft_ms_per_step"], 2) for r in rs],
                      "state_bytes": rs[-1]["state_bytes"], "tau": rs[-1]["tau"]})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"target": provenance, "threads": args.threads, "new_tokens": args.new_tokens,
             "repeats": args.repeats, "dtype": "float32", "mode": "frozen"}
-    (out / "drafter_cost.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=2))
     lines = [f"Drafter cost per decoding step (propose + commit, median of {args.repeats} "
              f"interleaved runs of {args.new_tokens} greedy tokens) and drafter state bytes at "
              f"the end of a run, Genesis prefix + summary task, {args.threads} CPU threads, "
@@ -102,8 +94,7 @@ def main() -> None:
         lines.append(f"{name}: draft ms / step x{grow:.2f} and state x"
                      f"{sel[-1]['state_bytes'] / max(1, small[0]['state_bytes']):.2f} from "
                      f"{small[0]['context']} to {sel[-1]['context']} tokens.")
-    (out / "drafter_cost.md").write_text("\n".join(lines) + "\n")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = figure(1, 2, figsize=(10, 4))
     for name in drafters:
         sel = sorted((r for r in rows if r["drafter"] == name), key=lambda r: r["context"])
         xs = [r["context"] for r in sel]
@@ -116,9 +107,8 @@ def main() -> None:
         ax.set_xlabel("context (tokens)")
         ax.legend()
     fig.suptitle("drafting cost against context (CPU, frozen drafters)")
-    fig.tight_layout()
-    fig.savefig(out / "drafter_cost.png", dpi=120)
-    print((out / "drafter_cost.md").read_text())
+    write_report(args.out, "drafter_cost", {"settings": meta, "rows": rows}, lines, figure=fig)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

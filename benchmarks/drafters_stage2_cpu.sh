@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The measurements of the stage-2 drafters in the README (CPU, 2 threads, nothing else running):
 # the main job, the bench (held-out corpus prompts + Genesis contexts) for each drafter, and the
-# dilution analyses of DFlash. Writes under benchmarks/stage2-cpu/.
+# dilution analyses of DFlash. Writes under benchmarks/results/dilution-cpu/
+# (the stage-2 benches and main jobs it also writes there were superseded by results/drafters-cpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=benchmarks/stage2-cpu
+OUT=benchmarks/results/dilution-cpu
 T=(--threads 2)
 mkdir -p "$OUT"
 sharpdraft generate --kjv-context 2048 --compare-ar --max-new-tokens 256 --draft-threshold 0.3 \

@@ -13,7 +13,7 @@ kernel buys a whole verification forward.
 
 Writes linear.json, linear.md and linear.png to --out.
 
-    python benchmarks/linear_cpu.py --threads 2 --out benchmarks/linear-cpu
+    python benchmarks/linear_cpu.py --threads 2 --out benchmarks/results/linear-cpu
 """
 import argparse
 import copy
@@ -22,21 +22,17 @@ import os
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
-import matplotlib
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import sharpdraft_ext as ext
 from sharpdraft.eval.bench import kjv_passage
+from sharpdraft.eval.report import figure, write_report
 from sharpdraft.target.loading import load_target
 from sharpdraft.target.linears import ROW_REGIMES
 from sharpdraft.target.runtime import TargetRuntime
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 PATHS = ("dense", "onednn", "panel")
 
@@ -104,7 +100,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 17])
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/linear-cpu")
+    p.add_argument("--out", default="benchmarks/results/linear-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer, provenance = load_target()
@@ -115,9 +111,6 @@ def main():
     result = {"threads": args.threads, "isa": ext.cpu_isa(), "panel_width": ext.panel_width(),
               "target": provenance, "per_shape": shapes, "context": args.context,
               "forward_ms": forward, "plans": plans}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "linear.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"CPU linear paths, float32, {args.threads} threads, {ext.cpu_isa()} (panel width "
              f"{ext.panel_width()}). Per shape: microseconds per call streamed over the "
              f"target's weights of that shape (GB/s of weights read), median of "
@@ -140,9 +133,8 @@ def main():
     lines += ["", "Plans (path at each row count plan_linears measures: "
               f"{', '.join(str(m) for _, m in ROW_REGIMES)}):", "",
               *(f"- {k}: {json.dumps(v)}" for k, v in plans.items())]
-    (out / "linear.md").write_text("\n".join(lines) + "\n")
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = figure(figsize=(5.5, 3.6))
     ns = list(forward)
     for name, marker in (("without", "o"), ("with", "s")):
         ax.plot(ns, [forward[n][name] for n in ns], marker=marker,
@@ -152,10 +144,8 @@ def main():
     ax.set_title(f"Target forward after {args.context} tokens (CPU, {args.threads} threads)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "linear.png", dpi=120)
-    plt.close(fig)
-    print((out / "linear.md").read_text())
+    write_report(args.out, "linear", result, lines, figure=fig)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

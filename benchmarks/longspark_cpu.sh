@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The LongSpark measurements in the README (CPU, 2 threads, nothing else running), written under
-# benchmarks/longspark-cpu/: drafting cost and drafter state against context for LongSpark,
+# benchmarks/results/longspark-cpu/: drafting cost and drafter state against context for LongSpark,
 # DFlash and EAGLE-3; the bench (held-out corpus prompts + Genesis contexts; frozen and both
 # SharpDraft scopes); the teacher-forced sweep by context bucket on long held-out text (both
 # scopes); the main job's command with --drafter longspark.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=benchmarks/longspark-cpu
+OUT=benchmarks/results/longspark-cpu
 T=(--threads 2)
 mkdir -p "$OUT"
 python benchmarks/drafter_cost_cpu.py "${T[@]}" --out "$OUT/drafter-cost"

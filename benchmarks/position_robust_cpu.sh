@@ -5,7 +5,7 @@
 # one plain and one with --position-skip 0.5 (the one shipped as stage 2b), then the
 # teacher-forced sweep (frozen vs slope 0.2, by context bucket, 2 held-out texts of 7,168 tokens)
 # of stage 2, both continuations, each with and without --context-window 1024. Writes
-# benchmarks/position-robust-cpu/.
+# benchmarks/results/position-robust-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S2=runs/stage2/dflash-smollm2            # the stage-2 weights, from git history
@@ -18,7 +18,7 @@ TRAIN=(--corpus corpus --tokens 186698 --eval-tokens 8192 --seq-len 1024 --threa
        --lr 1e-3 --gamma 2 --blocks 32 --anchor-warmup 0)
 sharpdraft train dflash "${TRAIN[@]}" --position-skip 0.5 --out runs/stage2b/dflash-pskip
 sharpdraft train dflash "${TRAIN[@]}" --out runs/stage2b/dflash-plain
-O=benchmarks/position-robust-cpu
+O=benchmarks/results/position-robust-cpu
 SW=(--length 7168 --sequences 3 --per-bucket 48 --scalings "slope 0.2" --threads 2)
 for name in stage2 plain pskip; do
   if [ "$name" = stage2 ]; then P=$S2; else P=runs/stage2b/dflash-$name; fi

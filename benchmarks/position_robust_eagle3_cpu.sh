@@ -8,7 +8,7 @@
 # teacher-forced sweep (frozen vs slope 0.2, by context bucket, the 2 held-out texts of 7,168
 # tokens) of both, each with and without --context-window 512, and their anchor-by-anchor
 # comparison against stage 3's frozen drafter (float32, as the earlier sweeps on CPUs where
-# --dtype auto picks it). Writes benchmarks/position-robust-eagle3-cpu/ (sweep-shipped* are
+# --dtype auto picks it). Writes benchmarks/results/position-robust-eagle3-cpu/ (sweep-shipped* are
 # stage 3's, the checkpoint shipped when they were run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,7 @@ done
 sharpdraft train eagle3 --corpus corpus --tokens 456971 --eval-tokens 8192 --seq-len 1024 \
   --threads 2 --steps 1000000 --warmup 30 --eval-every 250 --max-minutes 14 --init-from "$S2" \
   --lr 1e-3 --window 512 --ttt-steps 3 --position-skip 0.5 --out "$PSKIP"
-O=benchmarks/position-robust-eagle3-cpu
+O=benchmarks/results/position-robust-eagle3-cpu
 SW=(--length 7168 --sequences 3 --per-bucket 96 --scalings "slope 0.2" --dtype float32 --threads 2)
 for name in shipped pskip; do
   if [ "$name" = shipped ]; then P=$SHIPPED; else P=$PSKIP; fi

@@ -4,14 +4,13 @@ every position's logits and all hidden states (what the engine did before the ta
 drafter's hidden layers only, preallocated cache). Each mode runs in a fresh process, so its
 peak RSS (ru_maxrss) is its own.
 
-    python benchmarks/prefill_memory_cpu.py --context 7000 --out benchmarks/prefill_memory_cpu
+    python benchmarks/prefill_memory_cpu.py --context 7000 --out benchmarks/results/prefill-memory-cpu
 """
 import argparse
 import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 MODES = {
     "hf_all_logits_all_hidden": "HF forward, logits of every position, all hidden states",
@@ -53,7 +52,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--context", type=int, default=7000)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--out", default="benchmarks/prefill_memory_cpu")
+    p.add_argument("--out", default="benchmarks/results/prefill-memory-cpu")
     p.add_argument("--mode", choices=sorted(MODES), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mode:                      # the child process
@@ -66,16 +65,14 @@ def main():
                              check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(rows[-1], file=sys.stderr)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "prefill_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = [f"Peak RSS of one prefill over {rows[0]['prompt_tokens']} Genesis tokens, float32 "
              f"SmolLM2-135M (fresh process per mode).", "",
              "| mode | peak RSS GiB | RSS before prefill GiB | hidden states kept MiB |",
              "|---|---:|---:|---:|"]
     lines += [f"| {MODES[r['mode']]} | {r['peak_rss_gib']:.2f} | "
               f"{r['rss_before_prefill_gib']:.2f} | {r['hidden_states_mib']:.0f} |" for r in rows]
-    (out_dir / "prefill_memory.md").write_text("\n".join(lines) + "\n")
+    from sharpdraft.eval.report import write_report
+    write_report(args.out, "prefill_memory", rows, lines)
     print("\n".join(lines))
 
 

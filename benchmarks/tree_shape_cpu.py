@@ -13,24 +13,19 @@ as `sharpdraft bench` picks them; --kjv-context adds the main job's Genesis prom
 Writes tree_shape.json, tree_shape.md and tree_shape.png to --out.
 
     python benchmarks/tree_shape_cpu.py --corpus corpus --corpus-prompts 8 \\
-        --kjv-context 2048 --out benchmarks/tree-shape-cpu-panel
+        --kjv-context 2048 --out benchmarks/results/tree-shape-panel-cpu
 """
 import argparse
 import dataclasses
-import json
 import statistics
-from pathlib import Path
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 from sharpdraft.cli import commands as cli
 from sharpdraft.eval.bench import KJV_TASK, corpus_prompts, decode, kjv_passage, warm_up
+from sharpdraft.eval.report import figure, write_report
 from sharpdraft.inference import autoregressive_generate, prompt_ids
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def parse_shape(text: str) -> dict:
@@ -62,7 +57,7 @@ def main():
     p.add_argument("--drafter-path", default=None, help="default: the shipped EAGLE-3")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/tree-shape-cpu-panel")
+    p.add_argument("--out", default="benchmarks/results/tree-shape-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # the CLI's own loading path: the same target, drafter and SharpDraft settings as generate
@@ -106,16 +101,11 @@ def main():
             "median_draft_ms": statistics.median(r[name]["draft_ms_per_step"] for r in sel),
             "median_verify_ms": statistics.median(r[name]["verify_ms_per_step"] for r in sel),
             "lossless": all(r[name]["identical_to_ar"] for r in rows)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
             "target": provenance, "drafter_path": args.drafter_path or "shipped eagle3-smollm2",
             "chain_length": base.chain_length, "sharp": {k: (None if v == float("inf") else v)
                       for k, v in drafter.sharp.kernel_kwargs().items()},
             "held_out_prompts": len(held)}
-    (out / "tree_shape.json").write_text(json.dumps(
-        {"meta": meta, "shapes": {k: dataclasses.asdict(c) for k, (c, _) in methods.items()},
-         "summary": summary, "rows": rows}, indent=2, default=str) + "\n")
     lines = [f"EAGLE-3 on {len(held)} held-out corpus prompts, greedy, {args.max_new_tokens} new "
              f"tokens, {args.threads} threads, {provenance['dtype']}; tree shape = top-k x depth"
              f" x nodes verified. Decode speedup: geometric mean against each prompt's "
@@ -131,9 +121,8 @@ def main():
     lines += [f"| {r['name']} | {r['prompt_tokens']} | {r['ar']['decode_tokens_per_s']:.1f} | "
               + " | ".join(f"{r[k]['tau']:.2f}, {r[k]['decode_speedup']:.2f}x" for k in methods)
               + " |" for r in rows]
-    (out / "tree_shape.md").write_text("\n".join(lines) + "\n")
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (a1, a2) = figure(1, 2, figsize=(9, 3.6))
     xs = [1 + (c.chain_length if not t else c.tree_tokens) for c, t in methods.values()]
     for ax, key, ylab in ((a1, "mean_tau", "mean tau"),
                           (a2, "geomean_decode_speedup", "decode speedup (x)")):
@@ -145,10 +134,10 @@ def main():
     a2.axhline(1.0, color="grey", lw=0.8)
     a1.legend()
     fig.suptitle(f"EAGLE-3 tree size on {len(held)} held-out prompts (CPU)")
-    fig.tight_layout()
-    fig.savefig(out / "tree_shape.png", dpi=120)
-    plt.close(fig)
-    print((out / "tree_shape.md").read_text())
+    write_report(args.out, "tree_shape",
+                 {"meta": meta, "shapes": {k: dataclasses.asdict(c) for k, (c, _) in methods.items()},
+                  "summary": summary, "rows": rows}, lines, default=str, figure=fig)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -14,27 +14,23 @@ target-only decoding speed, on the default target (CPU), next to the hardware fl
 
 Writes verify_cost.json, verify_cost.md and verify_cost.png to --out.
 
-    python benchmarks/verify_cost_cpu.py --threads 2 --out benchmarks/verify_cost_cpu
+    python benchmarks/verify_cost_cpu.py --threads 2 --out benchmarks/results/verify-cost-cpu
 """
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
 
-import matplotlib
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
 from sharpdraft.eval.bench import KJV_TASK, kjv_passage
+from sharpdraft.eval.report import figure, write_report
 from sharpdraft.inference.engine import autoregressive_generate
 from sharpdraft.target.loading import default_gguf, load_target
 from sharpdraft.target.runtime import TargetRuntime
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:
@@ -126,7 +122,7 @@ def main():
                    help="Genesis tokens of the target-only decoding prompt (the main job's)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/verify_cost_cpu")
+    p.add_argument("--out", default="benchmarks/results/verify-cost-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     hf, tokenizer, provenance = load_target()
@@ -183,9 +179,6 @@ def main():
               "runtime": TargetRuntime(ours).info, "forward": rows,
               "decode_prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens,
               "decode": decode, "decode_step_floor_ms": step_floor}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "verify_cost.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"Target forward over n tokens after a context, float32, {args.threads} threads, "
              f"median of {args.repeats} interleaved repeats. Floor: max(bytes / {bw:.1f} GB/s "
              f"read bandwidth, FLOPs / {peak:.0f} GFLOP/s GEMM peak), both measured here; bytes "
@@ -205,10 +198,9 @@ def main():
     if lc is None:
         lines.append("\nllama.cpp: llama-cpp-python not installed (`CMAKE_BUILD_PARALLEL_LEVEL=2 "
                      "pip install llama-cpp-python==0.3.36`, about 10 minutes on 2 cores).")
-    (out_dir / "verify_cost.md").write_text("\n".join(lines) + "\n")
 
-    fig, axes = plt.subplots(1, len(args.contexts), figsize=(4 * len(args.contexts), 3.5),
-                             sharey=True, squeeze=False)
+    fig, axes = figure(1, len(args.contexts), figsize=(4 * len(args.contexts), 3.5),
+                       sharey=True, squeeze=False)
     for ax, ctx in zip(axes[0], args.contexts):
         sel = [r for r in rows if r["context"] == ctx]
         xs = [r["tokens"] for r in sel]
@@ -219,8 +211,7 @@ def main():
         ax.set_xlabel("tokens per forward")
     axes[0][0].set_ylabel("ms per target forward")
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "verify_cost.png", dpi=110)
+    write_report(args.out, "verify_cost", result, lines, figure=fig, dpi=110)
     print("\n".join(lines))
 
 

@@ -4,10 +4,10 @@
 # The teacher-forced sweep (frozen vs slope 0.2, by context bucket, the held-out texts of 7,168
 # tokens: 2 of the 3 asked for exist) of the shipped checkpoints with and without --context-window 512. Both drafters'
 # teacher-forced forwards apply the window exactly as their sessions do (tests/test_eagle3.py,
-# tests/test_pard.py). Writes benchmarks/window-cpu/.
+# tests/test_pard.py). Writes benchmarks/results/window-cpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-O=benchmarks/window-cpu
+O=benchmarks/results/window-cpu
 SW=(--length 7168 --sequences 3 --per-bucket 48 --scalings "slope 0.2" --threads 2)
 for d in eagle3 pard; do
   sharpdraft analyze sweep --drafter "$d" "${SW[@]}" --out "$O/sweep-$d"

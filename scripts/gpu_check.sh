@@ -31,7 +31,7 @@ cat "$OUT/nvidia-smi.txt"
 echo "== build"
 # Build with the system compiler: one GPU image sets CXX to a wrapper that links libstdc++
 # statically into each extension, whose private, uninitialised locale then crashes the process
-# the first time an error message formats a number (benchmarks/results_cuda_h200.md).
+# the first time an error message formats a number (benchmarks/results/kernel-gpu/results_cuda_h200.md).
 if [[ -x /usr/bin/g++ && -x /usr/bin/gcc ]]; then
   export CXX=/usr/bin/g++ CC=/usr/bin/gcc
 fi

@@ -3,7 +3,7 @@
 //
 // A speculative-decoding step runs the target over 1 to ~17 rows. Its linear layers are then
 // bound by streaming the weights from memory, yet a general GEMM tuned for large row counts
-// spends more time per row than the bytes require (measured: benchmarks/linear-cpu). This kernel
+// spends more time per row than the bytes require (measured: benchmarks/results/linear-cpu). This kernel
 // reads each weight once per call: W (N, K) is repacked once into panels of panel_width()
 // output columns, each a contiguous (K, panel_width) block, and every panel is multiplied by
 // blocks of rows held in registers (rows x panel_width accumulators, x broadcast one scalar at
