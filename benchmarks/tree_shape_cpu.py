@@ -135,7 +135,8 @@ def main():
     a1.legend()
     fig.suptitle(f"EAGLE-3 tree size on {len(held)} held-out prompts (CPU)")
     write_report(args.out, "tree_shape",
-                 {"meta": meta, "shapes": {k: dataclasses.asdict(c) for k, (c, _) in methods.items()},
+                 {"meta": meta,
+                  "shapes": {k: dataclasses.asdict(c) for k, (c, _) in methods.items()},
                   "summary": summary, "rows": rows}, lines, default=str, figure=fig)
     print("\n".join(lines))
 

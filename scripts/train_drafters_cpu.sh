@@ -11,16 +11,22 @@
 # python/sharpdraft/checkpoints/<drafter>-smollm2/).
 # Env: DRAFTERS (default "dflash eagle3 pard"; longspark too), INIT (default
 # python/sharpdraft/checkpoints), THREADS (default 2), TOKENS (train response tokens taken from
-# the corpus, in corpus order; default all), LR_SCALE (default 1: multiplies each drafter's peak
-# learning rate below; continuations of trained weights use 0.5), SEED (default 0: which windows
-# and anchors are drawn), CACHE_DTYPE (default float32; bfloat16 fills the train cache under
-# autocast, about 1.6x faster on an AMX CPU and 4.4x slower on an AVX2-only one), AUTOCAST
-# (default off; bfloat16 runs each training step under autocast: 1.6-1.7x faster EAGLE-3 and PARD
-# steps on an AMX CPU, about the same for DFlash). auto, for either, measures this machine
-# (bfloat16 where it is faster); the defaults stay float32 / off so that the commands of earlier
-# stages run as they did. The feature cache is built once (under
-# $SHARPDRAFT_HOME/train_cache) and shared by every drafter; a grown corpus caches only its new
-# conversations.
+# the corpus, in corpus order; default all), LR_SCALE (default 1: `--lr-scale`, multiplies each
+# recipe's default peak learning rate; continuations of trained weights use 0.5, the shipped
+# DFlash's stage 12 0.15), SEED (default 0: which windows and anchors are drawn), CACHE_DTYPE
+# (default float32; bfloat16 fills the train cache under autocast, about 1.6x faster on an AMX
+# CPU and 4.4x slower on an AVX2-only one), AUTOCAST (default off; bfloat16 runs each training
+# step under autocast: 1.6-1.7x faster EAGLE-3 and PARD steps on an AMX CPU, about the same for
+# DFlash). auto, for either, measures this machine (bfloat16 where it is faster); the defaults
+# stay float32 / off so that the commands of earlier stages run as they did. The feature cache
+# is built once (under $SHARPDRAFT_HOME/train_cache) and shared by every drafter; a grown corpus
+# caches only its new conversations.
+# Every other option is the recipe's default, which is what the shipped weights were trained
+# with (`sharpdraft train <drafter> --help`; each RECIPE.md gives the full command): peak
+# learning rates dflash 1e-3, eagle3 1e-3, pard 3e-4, longspark 4e-4; --warmup 30, --seq-len
+# 1024, --eval-tokens 8192, --eval-every 250 (longspark 500); DFlash --gamma 2 --blocks 64
+# --anchor-warmup 0 --position-skip 0.5 (stage 6 and earlier ran --blocks 32); EAGLE-3 and PARD
+# --window 512, EAGLE-3 --ttt-steps 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MIN=${1:-12}
@@ -33,21 +39,11 @@ LR_SCALE=${LR_SCALE:-1}
 SEED=${SEED:-0}
 CACHE_DTYPE=${CACHE_DTYPE:-float32}
 AUTOCAST=${AUTOCAST:-off}
-DATA=(--corpus corpus --tokens "$TOKENS" --eval-tokens 8192 --seq-len 1024 --threads "$THREADS"
-      --steps 1000000 --warmup 30 --eval-every 250 --max-minutes "$MIN" --seed "$SEED"
-      --cache-dtype "$CACHE_DTYPE" --autocast "$AUTOCAST")
-declare -A LR=([dflash]=1e-3 [eagle3]=1e-3 [pard]=3e-4 [longspark]=4e-4)
-declare -A EXTRA=(
-  [dflash]="--gamma 2 --blocks 32 --anchor-warmup 0 --position-skip 0.5"
-  [eagle3]="--window 512 --ttt-steps 3"
-  [pard]="--window 512"
-  [longspark]="--eval-every 500"
-)
+DATA=(--corpus corpus --tokens "$TOKENS" --threads "$THREADS" --steps 1000000
+      --max-minutes "$MIN" --seed "$SEED" --cache-dtype "$CACHE_DTYPE" --autocast "$AUTOCAST")
 
 sharpdraft train dflash "${DATA[@]}" --cache-only --out "$OUT/dflash-smollm2"
 for d in $DRAFTERS; do
-  # shellcheck disable=SC2086
-  lr=$(awk -v a="${LR[$d]}" -v s="$LR_SCALE" 'BEGIN { printf "%g", a * s }')
-  sharpdraft train "$d" "${DATA[@]}" --init-from "$INIT/$d-smollm2" --lr "$lr" ${EXTRA[$d]} \
+  sharpdraft train "$d" "${DATA[@]}" --init-from "$INIT/$d-smollm2" --lr-scale "$LR_SCALE" \
     --out "$OUT/$d-smollm2"
 done

@@ -9,7 +9,8 @@ import numpy as np
 
 from sharpdraft.data import sources as data
 from sharpdraft.drafters.dflash import DFlashDrafter
-from sharpdraft.training import cache as tc, dflash as td, eagle3 as te, loop, losses, pard as tp
+from sharpdraft.training import cache as tc, common as tcm, dflash as td, eagle3 as te, loop
+from sharpdraft.training import losses, pard as tp
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
@@ -348,15 +349,15 @@ def test_anchors_and_windows_fall_on_trained_rows():
     trained = torch.tensor(tc.trained_rows([0] * 40 + [1] * 24))
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        a = td.sample_anchors(trained, 8, g)
+        a = tcm.sample_anchors(trained, 8, g)
         assert len(set(a.tolist())) == 8 and bool(trained[a].all()) and a.min() >= 39
-        off = te.window_start(trained, 32, g)
+        off = tcm.window_start(trained, 32, g)
         assert 0 <= off <= 32 and bool(trained[off:off + 32].any())
-    assert te.window_start(trained, 32) == 32                  # evaluation: the last window
-    curriculum = td.sample_anchors(trained, 4, g, max_anchor=10)  # none that early: earliest
+    assert tcm.window_start(trained, 32) == 32                  # evaluation: the last window
+    curriculum = tcm.sample_anchors(trained, 4, g, max_anchor=10)  # none that early: earliest
     assert curriculum.tolist() == [39, 40, 41, 42]
     with pytest.raises(ValueError, match="no trained row"):
-        td.sample_anchors(torch.zeros(10, dtype=torch.bool), 2, g)
+        tcm.sample_anchors(torch.zeros(10, dtype=torch.bool), 2, g)
 
 
 def test_lr_schedule_by_hand():
@@ -429,7 +430,7 @@ def test_recipe_losses_read_only_trained_rows(setup):
     dfl = tiny_drafter(target, block_size=4)
     pard = PARDDrafter(PARDConfig.from_target(target.config, num_layers=2, num_draft_tokens=3))
     eag = Eagle3Drafter(Eagle3Config.from_target(target.config, target_layer_ids=[layer_ids[1]]))
-    cols = te.fused_columns(layer_ids, [layer_ids[1]], 64)
+    cols = tcm.fused_columns(layer_ids, [layer_ids[1]], 64)
     makers = [lambda f: td.make_loss(dfl, target, f, blocks=6, gamma=7.0, scale=None),
               lambda f: tp.make_loss(pard, target, f, 48, 0.7),
               lambda f: te.make_loss(eag, target, f, cols, 48, 2, 0.8)]
@@ -498,7 +499,7 @@ def test_eagle3_recipe_lowers_loss_and_checkpoint_drafts(setup):
     drafter = Eagle3Drafter(cfg)
     tr = train_c.load()
     drafter.set_draft_vocab(losses.draft_vocabulary(tr, 64, 256))
-    cols = te.fused_columns(layer_ids, [layer_ids[1]], 64)
+    cols = tcm.fused_columns(layer_ids, [layer_ids[1]], 64)
     torch.testing.assert_close(tr[0]["feats"][:, cols], tr[0]["feats"][:, 64:128])
     with torch.no_grad():
         drafter.feature_scale.copy_(losses.feature_scale(tr.feature_rows()[:, cols]))
@@ -569,7 +570,7 @@ def test_eagle3_position_skip_steps_train(setup):
     target, _, layer_ids, (train_c, _), _ = setup
     drafter = Eagle3Drafter(Eagle3Config.from_target(target.config,
                                                      target_layer_ids=[layer_ids[1]]))
-    cols = te.fused_columns(layer_ids, [layer_ids[1]], target.config.hidden_size)
+    cols = tcm.fused_columns(layer_ids, [layer_ids[1]], target.config.hidden_size)
     fn = te.make_loss(drafter, target, train_c.load(), cols, 48, 2, 0.8, position_skip=1.0,
                       max_position=400)
     loss, extra = fn(torch.Generator().manual_seed(0), 0.5)
@@ -673,3 +674,47 @@ def test_agreement_metrics_by_hand():
     assert m["loss"] == 2.0
     assert m["top1_per_position"] == [round(2 / 3, 4), round(2 / 3, 4), 0.5]
     assert abs(m["tau_proxy"] - (1 + (2 + 0 + 1) / 3)) < 1e-9     # leading runs 2, 0, 1
+
+
+class _Tok:
+    pad_token_id, unk_token_id, eos_token_id = None, None, 1
+
+    def __len__(self):
+        return 256
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("dflash", ["--features", "2", "--block-size", "4", "--blocks", "4", "--layers", "1"]),
+    ("eagle3", ["--window", "48", "--chain-length", "3", "--ttt-steps", "2"]),
+    ("pard", ["--window", "48", "--layers", "2", "--draft-tokens", "3"]),
+    ("longspark", ["--layers", "2", "--drafts", "3", "--blocks", "4", "--window", "16",
+                   "--summary", "4", "--rank", "4"]),
+])
+def test_every_recipe_main_writes_its_checkpoint(setup, monkeypatch, tmp_path, kind, extra):
+    """One `run_recipe` runs every recipe (`<recipe>.main(args)`): config.json,
+    model.safetensors, training.json and train_log.jsonl in --out, the recipe's defaults and
+    --lr-scale recorded."""
+    import argparse
+    from sharpdraft import training
+    from sharpdraft.drafters import registry
+    target, _, layer_ids, (train_c, held_c), _ = setup
+    caches = [{"features": c.load(), "meta": {"layer_ids": list(layer_ids), "split": s},
+               "folder": str(c.folder)} for c, s in ((train_c, "train"), (held_c, "heldout"))]
+    monkeypatch.setattr(loop, "prepare_run", lambda args, layers: (
+        target, _Tok(), {"name": "tiny"}, caches[0], caches[1], 0.0))
+    recipe = training.recipe(kind)
+    p = argparse.ArgumentParser()
+    recipe.add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / kind), "--steps", "3", "--eval-every", "2",
+                         "--draft-vocab", "0", "--lr-scale", "0.5", *extra])
+    default_lr = p.get_default("lr")
+    summary = recipe.main(args)
+    files = {f.name for f in (tmp_path / kind).iterdir()}
+    assert {"config.json", "model.safetensors", "training.json", "train_log.jsonl"} <= files
+    saved = json.loads((tmp_path / kind / "training.json").read_text())
+    assert saved["steps_done"] == summary["steps_done"] == 3
+    assert saved["args"]["lr"] == pytest.approx(default_lr * 0.5)
+    assert saved["args"]["lr_scale"] == 0.5 and "cache_seconds" in saved
+    assert {"best_eval", "evals", "init_from", "drafter_params", "train_data"} <= set(saved)
+    drafter = registry.get(kind).cls.load(tmp_path / kind, target=target)
+    assert training.recipe_of(drafter) is recipe.RECIPE

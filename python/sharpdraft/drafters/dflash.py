@@ -27,19 +27,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
                    last_keys, llama_config, state_bytes, target_geometry)
-
-
-def evenly_spaced_layers(num_target_layers: int, num_features: int = 4) -> List[int]:
-    """Target layers whose outputs form the context: round(1 + i (L - 3) / (n - 1)), i < n.
-
-    For 30 target layers and 4 features this is [1, 10, 19, 28]. Index l is the output of
-    decoder layer l (hidden_states[l + 1] of a transformers forward with output_hidden_states).
-    """
-    if num_features < 2 or num_target_layers < 3:
-        raise ValueError(f"evenly_spaced_layers needs num_features >= 2 and num_target_layers >= 3,"
-                         f" got {num_features} and {num_target_layers}")
-    return [round(1 + i * (num_target_layers - 3) / (num_features - 1))
-            for i in range(num_features)]
+from .common import default_mask_token_id, evenly_spaced_layers  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -100,17 +88,6 @@ class DFlashConfig:
         return llama_config(self, self.num_layers)
 
 
-def default_mask_token_id(tokenizer) -> int:
-    """The mask token: the tokenizer's pad, else unk token (one that is not EOS), else its last id.
-
-    For SmolLM2 (pad = EOS = <|im_end|>) this is <|endoftext|>, id 0.
-    """
-    for tok in (tokenizer.pad_token_id, tokenizer.unk_token_id):
-        if tok is not None and tok != tokenizer.eos_token_id:
-            return int(tok)
-    return len(tokenizer) - 1
-
-
 class DFlashAttention(HeadProjections):
     """Block queries over [context ; block] keys, non-causal, through sharp attention."""
 
@@ -161,6 +138,10 @@ class DFlashDrafter(Drafter):
     """
 
     supports_context_window = True
+    # Online adaptation (`eval.adapt.OnlineAdapter`) can fine-tune it while it decodes: its
+    # training forward `block_logits(target, feats, block, anchors)` takes teacher-forced
+    # blocks of [anchor ; mask tokens] over the context features its sessions see.
+    adapts_online = True
 
     config_class = DFlashConfig
 

@@ -49,7 +49,7 @@ import sharpdraft_ext as ext
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, feature_layer_problems, llama_config,
                    state_bytes, target_geometry)
-from .dflash import evenly_spaced_layers
+from .common import evenly_spaced_layers
 
 SCOPES = ("summary", "slots")
 PLAIN = SharpConfig(mode="none")

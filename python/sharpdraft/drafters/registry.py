@@ -14,7 +14,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .base import Drafter
-from .dflash import DFlashConfig, DFlashDrafter, default_mask_token_id
+from .common import default_mask_token_id
+from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
@@ -95,6 +96,21 @@ def get(name: str) -> DrafterKind:
     if name not in KINDS:
         raise ValueError(f"unknown drafter {name!r}; known: {', '.join(names())}")
     return KINDS[name]
+
+
+def kind_of(drafter) -> DrafterKind:
+    """The kind whose class `drafter` is an instance of (its most derived registered class),
+    for code that holds a drafter and needs its kind's hooks (the recipe's `anchor_leads`...).
+
+    Raises:
+        ValueError: no registered kind has the drafter's class.
+    """
+    by_class = {k.cls: k for k in KINDS.values()}
+    for cls in type(drafter).__mro__:
+        if cls in by_class:
+            return by_class[cls]
+    raise ValueError(f"no registered drafter kind for {type(drafter).__name__}; known: "
+                     f"{', '.join(names())}")
 
 
 def build_untrained(name: str, target, tokenizer, *, layers: int = 2, block_size: int = 8,

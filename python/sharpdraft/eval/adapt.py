@@ -1,7 +1,8 @@
 """Online adaptation of the drafter, the alternative SharpDraft is compared with (the paper's
 Table 1, at small scale; issue 13).
 
-`OnlineAdapter` wraps a DFlash drafter and fine-tunes it while it decodes: after every verification
+`OnlineAdapter` wraps a drafter that can adapt online (its class's `adapts_online`: DFlash's
+teacher-forced blocks) and fine-tunes it while it decodes: after every verification
 it keeps the target's distributions at the verified positions (the rows up to and including
 the first rejection, which saw the true prefix), and every `every` steps it takes one AdamW step
 on the soft cross-entropy (KL up to the target's entropy) of the drafter's blocks of those steps
@@ -16,31 +17,30 @@ ms per update, tau and the speedup over target-only decoding in the same process
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Dict, List
 
-import psutil
 import torch
 from tqdm import tqdm
 
 from ..attention import SharpConfig
-from ..drafters.dflash import DFlashDrafter
+from ..drafters import registry
 from ..inference.engine import autoregressive_generate, speculative_generate
 from ..training.losses import distill_loss, position_weights, target_to_draft
+from .report import figure, save_figure, write_report
 
 MODES = ("full", "lora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 class OnlineAdapter:
-    """A DFlash drafter fine-tuned during decoding (module docstring); pass it to the engine in
-    place of the drafter.
+    """A drafter fine-tuned during decoding (module docstring); pass it to the engine in place of
+    the drafter.
 
     Args:
-        drafter: a DFlashDrafter (modified in place: pass a copy to keep the original).
+        drafter: a drafter whose class sets `adapts_online` (DFlash; modified in place: pass a
+            copy to keep the original).
         target: the target it drafts for (its final norm and LM head give the distributions).
         mode: "full" (every drafter parameter) or "lora" (rank `rank` adapters on q/k/v/o).
         every: verification steps between updates. lr: AdamW learning rate.
@@ -48,7 +48,7 @@ class OnlineAdapter:
             probabilities kept per verified position.
 
     Raises:
-        TypeError: drafter is not a DFlashDrafter. ValueError: unknown mode, rank < 1 or
+        TypeError: the drafter cannot adapt online. ValueError: unknown mode, rank < 1 or
             every < 1. ModuleNotFoundError: mode "lora" without peft installed.
     """
 
@@ -58,8 +58,10 @@ class OnlineAdapter:
     def __init__(self, drafter, target, mode: str = "lora", *, rank: int = 16, every: int = 4,
                  lr: float = 1e-4, gamma: float = 2.0, topk: int = 32):
         if not self.supports(drafter):
-            raise TypeError(f"OnlineAdapter: drafter must be a DFlashDrafter (teacher-forced "
-                            f"blocks), got {type(drafter).__name__}")
+            able = [k.cls.__name__ for k in registry.KINDS.values() if self.supports(k.cls)]
+            raise TypeError(f"OnlineAdapter: the drafter must adapt online (teacher-forced "
+                            f"blocks, its class's adapts_online: {', '.join(able)}), got "
+                            f"{type(drafter).__name__}")
         if mode not in MODES:
             raise ValueError(f"OnlineAdapter: mode must be one of {MODES}, got {mode!r}")
         if rank < 1 or every < 1:
@@ -88,8 +90,11 @@ class OnlineAdapter:
 
     @staticmethod
     def supports(drafter) -> bool:
-        """Whether `drafter` can be adapted (a DFlash drafter: teacher-forced blocks)."""
-        return isinstance(drafter, DFlashDrafter)
+        """Whether `drafter` (an instance or a Drafter class) can be adapted: its class sets the
+        capability `adapts_online` (teacher-forced blocks, `block_logits(target, feats, block,
+        anchors)`; DFlash)."""
+        cls = drafter if isinstance(drafter, type) else type(drafter)
+        return bool(getattr(cls, "adapts_online", False))
 
     @property
     def trainable_parameters(self) -> int:
@@ -205,6 +210,8 @@ class PeakRSS:
 
     def __init__(self, interval: float = 0.005):
         self.interval, self.peak = interval, 0
+        import psutil                  # optional: needed only to sample memory
+
         self._proc = psutil.Process()
 
     def __enter__(self):
@@ -285,23 +292,16 @@ def run(target, tokenizer, drafter, prompts: List[dict], *, max_new_tokens: int,
             "lossless": all(r["identical_to_ar"] for r in rs)}
     meta = {"max_new_tokens": max_new_tokens, "every": every, "lr": lr, "n_ref": n_ref,
             "slope": slope, "prompts": [r["name"] for r in rows]}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adapt.json").write_text(json.dumps({"settings": meta, "rows": rows,
-                                                "summary": summary}, indent=2))
-    (out / "adapt.md").write_text(markdown(summary, meta))
-    plot(summary, out / "adapt.png")
+    write_report(out, "adapt", {"settings": meta, "rows": rows, "summary": summary},
+                 markdown(summary, meta), figure=plot(summary))
     return {"settings": meta, "rows": rows, "summary": summary}
 
 
-def plot(summary: Dict[str, dict], path) -> None:
-    """Bars of mean tau and speedup over target-only decoding per method."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(summary: Dict[str, dict], path=None):
+    """Bars of mean tau and speedup over target-only decoding per method: saved to `path`, or
+    returned as a figure when `path` is None (`report.write_report` saves it)."""
     labels = list(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = figure(1, 2, figsize=(9, 3.5))
     for ax, key, title in ((axes[0], "tau", "mean tau"),
                            (axes[1], "speedup", "speedup vs target-only")):
         ax.bar(labels, [summary[k][key] for k in labels],
@@ -310,9 +310,7 @@ def plot(summary: Dict[str, dict], path) -> None:
         ax.tick_params(axis="x", rotation=30)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     fig.suptitle("online adaptation (orange) vs frozen and SharpDraft (blue)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig if path is None else save_figure(fig, path)
 
 
 def markdown(summary: Dict[str, dict], meta: dict) -> str:

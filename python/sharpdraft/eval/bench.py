@@ -12,21 +12,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
-import json
 import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import matplotlib
 import torch
 from tqdm import tqdm
 
 from ..data import sources as data
 from ..inference.engine import (GenerationResult, autoregressive_generate, speculative_generate,
                                 tree_speculative_generate)
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from .report import figure, save_figure, write_report
 
 KJV_BOOK = "Ge"  # Genesis 1:1-50:26, held out from drafter training
 KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
@@ -184,8 +180,7 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             "max_drafts": {label: (d.config.tree_tokens if tree else d.max_drafts)
                            for label, (d, tree) in variants.items()},
             "drafter_sha256": {label: weights_sha256(d) for label, (d, _) in variants.items()}}
-    (out_dir / "bench.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=2))
-    (out_dir / "bench.md").write_text(markdown_table(rows, meta))
+    write_report(out_dir, "bench", {"settings": meta, "runs": rows}, markdown_table(rows, meta))
     plot_tau(rows, meta["variants"], out_dir / "tau_vs_context.png")
     return rows
 
@@ -245,7 +240,7 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
 
 
 def plot_tau(rows: List[dict], variants: List[str], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure(figsize=(6, 4))
     xs = [r["prompt_tokens"] for r in rows]
     for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
         marker = "o" if name.endswith("frozen") else "s"
@@ -254,6 +249,4 @@ def plot_tau(rows: List[dict], variants: List[str], path: Path) -> None:
     ax.set_ylabel("acceptance length tau")
     ax.set_title("tau against context length")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

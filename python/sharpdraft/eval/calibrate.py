@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,6 +22,7 @@ from ..attention import SharpConfig, observe
 from .bench import build_prompts
 from ..inference.engine import speculative_generate
 from .mass import AttentionProbe, attention_modules, summarise
+from .report import figure, write_json, write_report
 
 MAX_SLOPE = 1.0          # Delta < 1: a nearly uniform layer; its slope is capped here
 
@@ -89,9 +89,7 @@ def write_slopes(folder, values: Optional[list]) -> None:
     path = Path(folder) / "config.json"
     cfg = json.loads(path.read_text())
     cfg["sharp_slopes"] = values
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(cfg, indent=2))
-    os.replace(tmp, path)
+    write_json(path, cfg)
 
 
 def run(target, tokenizer, drafter, *, checkpoint: Optional[Path], out, steps: int = 16,
@@ -110,9 +108,6 @@ def run(target, tokenizer, drafter, *, checkpoint: Optional[Path], out, steps: i
               "default_slope": 0.2, "measured": measured, "sharp_slopes": values,
               "contrast": {layer: contrast_from_mass(m["mass"], n_ref, topk)
                            for layer, m in measured.items()}}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "calibrate.json").write_text(json.dumps(report, indent=1, default=str))
     lines = [f"Calibrated slopes of the {drafter_name} drafter: top-{topk} mass at n_ref = "
              f"{n_ref} (held-out KJV Genesis, {steps} decoding steps), Delta = "
              f"ln((n_ref - k) / k) - ln(1 / M - 1), slope = 1 / Delta (capped at {MAX_SLOPE}); "
@@ -122,11 +117,7 @@ def run(target, tokenizer, drafter, *, checkpoint: Optional[Path], out, steps: i
         m, d = measured[layer], report["contrast"][layer]
         s = slope_from_mass(m["mass"], n_ref, topk)
         lines.append(f"| {layer} | {m['mean_n']:.0f} | {m['mass']:.4f} | {d:.2f} | {s:.3f} |")
-    (out / "calibrate.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = figure(figsize=(5, 3.5))
     layers = sorted(measured)
     ax.bar([str(x) for x in layers], [slope_from_mass(measured[x]["mass"], n_ref, topk)
                                        for x in layers], label="calibrated")
@@ -135,7 +126,5 @@ def run(target, tokenizer, drafter, *, checkpoint: Optional[Path], out, steps: i
     ax.set_ylabel("slope lambda = 1 / Delta")
     ax.set_title(f"{drafter_name}: calibrated slopes (n_ref {n_ref})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "calibrate.png", dpi=120)
-    plt.close(fig)
+    write_report(out, "calibrate", report, lines, indent=1, default=str, figure=fig)
     return report

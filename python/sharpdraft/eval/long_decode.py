@@ -17,7 +17,6 @@ the steps of a bucket; the difference from frozen comes from resampling both sid
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -27,6 +26,7 @@ from tqdm import tqdm
 from ..data import sources as data
 from ..attention import SharpConfig
 from ..inference.engine import speculative_generate
+from .report import write_report
 from .sweep import bootstrap_ci, bucket_table, delta_table, plot, scalings
 
 TASKS = {
@@ -116,11 +116,8 @@ def run(target, tokenizer, drafter, prompts: List[dict], *, drafter_name: str,
     meta = {"drafter": drafter_name, "n_ref": n_ref, "max_new_tokens": max_new_tokens,
             "bucket": bucket, "prompts": [p["name"] for p in prompts],
             "output_tokens": lengths, "same_text_under_every_scaling": identical}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
-    (out / "decode.md").write_text(markdown(rows, meta))
-    plot([dict(r, tau_proxy=r["tau"]) for r in rows], meta, out / "decode.png",
+    write_report(out, "decode", {"settings": meta, "rows": rows}, markdown(rows, meta), indent=1)
+    plot([dict(r, tau_proxy=r["tau"]) for r in rows], meta, Path(out) / "decode.png",
          xlabel="tokens generated before the step", ylabel="tau (real greedy decoding)",
          what="acceptance by output length", log_x=False)
     return {"settings": meta, "rows": rows}

@@ -17,7 +17,6 @@ scaling does to a layer's own softmax; it does not rerun later layers on changed
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from sharpdraft_ext.reference import visible_mask_ref
 from ..attention import SharpConfig, observe
 from .bench import build_prompts
 from ..inference.engine import speculative_generate
+from .report import figure, save_figure, write_report
 
 RECENT = 32
 
@@ -252,12 +252,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
 
 def plot(rows: List[dict], meta: dict, path) -> None:
     """Layer-mean top-k mass against context, one line per scaling (and the target)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     means = layer_means(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure(figsize=(7, 4.5))
     for model, name in dict.fromkeys((r["model"], r["scaling"]) for r in means):
         pts = sorted((r["context"], r["topk_mass"]) for r in means
                      if r["model"] == model and r["scaling"] == name)
@@ -269,9 +265,7 @@ def plot(rows: List[dict], meta: dict, path) -> None:
     ax.set_ylabel(f"top-{meta['topk']} attention mass (layer mean)")
     ax.set_title(f"{meta['drafter']}: attention-mass dilution and the scalings")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----- the command ------------------------------------------------------------------------------
@@ -297,11 +291,8 @@ def run(target, tokenizer, drafter, *, drafter_name: str, lengths: List[int], st
             "text": "KJV Genesis, held out from training, + the bench's summary task",
             "scalings": {k: v.kernel_kwargs() | {"layer_slopes": v.layer_slopes}
                          for k, v in probe.scalings.items()}}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mass.json").write_text(json.dumps({"settings": meta, "rows": result,
-                                               "layer_means": layer_means(result)}, indent=1,
-                                              default=float))
-    (out / "mass.md").write_text(markdown(result, meta))
-    plot(result, meta, out / "mass.png")
+    write_report(out, "mass", {"settings": meta, "rows": result,
+                               "layer_means": layer_means(result)}, markdown(result, meta),
+                 indent=1, default=float)
+    plot(result, meta, Path(out) / "mass.png")
     return result

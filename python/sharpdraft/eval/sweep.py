@@ -9,8 +9,6 @@ drafts equal to the target's top-1 token along the text (SPEC §7), `anchor_lead
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -19,91 +17,27 @@ import torch
 from tqdm import tqdm
 
 from ..attention import SharpConfig
-from ..drafters.dflash import DFlashDrafter
-from ..drafters.eagle3 import Eagle3Drafter
-from ..drafters.longspark import LongSparkDrafter
-from ..drafters.pard import PARDDrafter
-from ..training.dflash import block_batch
-from ..training.eagle3 import fused_columns
-from ..training.longspark import round_rows
-from ..training.pard import copy_rows
+from ..training import recipe_of
 from .mass import scaling_suite
+from .report import figure, save_figure, write_report
 
 
-def _features(drafter, seq: dict) -> torch.Tensor:
-    """Features of the target layers the drafter reads, taken from a cache of the layers
-    seq["layer_ids"], in the drafter's dtype (a bfloat16 drafter, which `--dtype auto` picks on
-    CPUs with AVX-512 BF16, takes bfloat16 features as its sessions do)."""
-    cols = fused_columns(list(seq["layer_ids"]), list(drafter.config.target_layer_ids),
-                         drafter.config.target_hidden_size)
-    return seq["feats"][:, cols].to(next(drafter.parameters()).dtype)
-
-
-def _draft_ids(drafter, logits: torch.Tensor) -> torch.Tensor:
-    guess = logits.argmax(-1)
-    return guess if drafter.d2t is None else drafter.d2t[guess]
-
-
-@functools.singledispatch
 def anchor_leads(drafter, target, seq: dict, anchors: torch.Tensor) -> torch.Tensor:
     """(A,) int64: at each anchor, how many of the drafter's greedy drafts, in order, equal the
     target's top-1 along the text (teacher forced; `seq` a `training.cache.FeatureSet` item of
-    raw features; a row outside the sequence or not trained ends the run). One method per
-    drafter class."""
-    raise TypeError(f"anchor_leads: no teacher-forced drafting for {type(drafter).__name__}")
+    raw features with its "layer_ids"; a row outside the sequence or not trained ends the run).
+    The drafting is its kind's training recipe's (`Recipe.anchor_leads`).
 
-
-@anchor_leads.register
-def _(drafter: DFlashDrafter, target, seq, anchors):
-    block, rows, valid = block_batch(seq, anchors, drafter.config.block_size,
-                                     drafter.config.mask_token_id)
-    logits = drafter.block_logits(target, _features(drafter, seq), block, anchors)[:, 1:]
-    ok = (_draft_ids(drafter, logits) == seq["top_i"][rows][..., 0].long()) & valid
-    return ok.int().cumprod(-1).sum(-1)
-
-
-@anchor_leads.register
-def _(drafter: Eagle3Drafter, target, seq, anchors):
-    K = drafter.config.chain_length
-    end = min(seq["ids"].shape[0], int(anchors.max()) + K + 2)
-    logits = drafter.ttt_logits(target, _features(drafter, seq)[:end], seq["ids"][:end].long(), K)
-    top1 = seq["top_i"][:end, 0].long()
-    ok = []
-    for d, lg in enumerate(logits):     # depth d, row t = anchor - 1: token anchor + d + 1
-        t = (anchors - 1).clamp(max=lg.shape[0] - 1)
-        hit = (_draft_ids(drafter, lg[t]) == top1[(t + 1 + d).clamp(max=end - 1)])
-        ok.append(hit & (anchors - 1 < lg.shape[0]))
-    return torch.stack(ok, 1).int().cumprod(1).sum(1)
-
-
-@anchor_leads.register
-def _(drafter: PARDDrafter, target, seq, anchors):
-    k = drafter.config.num_draft_tokens
-    end = min(seq["ids"].shape[0], int(anchors.max()) + k + 1)
-    keep = torch.zeros(k, end, dtype=torch.bool)
-    keep[0] = True                            # the real prefix; copy m at anchor + m drafts m + 1
-    for m in range(1, k):
-        p = anchors + m
-        keep[m, p[p < end]] = True
-    keep[:, end - 1] = False
-    logits = drafter.train_logits(target, seq["ids"][:end].long(), keep)
-    pos, copy = copy_rows(keep)
-    ok = torch.zeros(k, end, dtype=torch.bool)
-    ok[keep] = _draft_ids(drafter, logits) == seq["top_i"][:end][pos][:, 0].long()
-    m = torch.arange(k)
-    at = (anchors[:, None] + m).clamp(max=end - 1)
-    return ok[m[None, :].expand_as(at), at].int().cumprod(1).sum(1)
-
-
-@anchor_leads.register
-def _(drafter: LongSparkDrafter, target, seq, anchors):
-    ids = seq["ids"].long()
-    rows, valid = round_rows(seq, anchors, drafter.config.num_drafts)
-    top1 = seq["top_i"][:, 0].long()
-    pred = torch.cat([ids[anchors][:, None], top1[rows[:, :-1]]], dim=1)  # greedy predecessors
-    logits = drafter.block_logits(target, _features(drafter, seq), ids, anchors, pred)
-    ok = (_draft_ids(drafter, logits) == top1[rows]) & valid
-    return ok.int().cumprod(-1).sum(-1)
+    Raises:
+        TypeError: the drafter's kind has no teacher-forced drafting (or is not registered).
+    """
+    try:
+        leads = recipe_of(drafter).anchor_leads
+    except ValueError:
+        leads = None
+    if leads is None:
+        raise TypeError(f"anchor_leads: no teacher-forced drafting for {type(drafter).__name__}")
+    return leads(drafter, target, seq, anchors)
 
 
 def bootstrap_ci(x: torch.Tensor, reps: int = 2000, seed: int = 0) -> tuple:
@@ -208,11 +142,8 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
     meta = {"drafter": drafter_name, "n_ref": n_ref, "edges": list(edges),
             "context_window": getattr(drafter, "context_window", None),
             "per_bucket": per_bucket, "sequences": len(features), "text": text, "seed": seed}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=1))
-    (out / "sweep.md").write_text(markdown(rows, meta))
-    plot(rows, meta, out / "sweep.png")
+    write_report(out, "sweep", {"settings": meta, "rows": rows}, markdown(rows, meta), indent=1)
+    plot(rows, meta, Path(out) / "sweep.png")
     return {"settings": meta, "rows": rows}
 
 
@@ -322,11 +253,7 @@ def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the an
          log_x: bool = True) -> None:
     """One line per scaling with its 95% intervals, at each bucket's geometric (log_x) or
     arithmetic centre."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = figure(figsize=(7, 4.5))
     names = list(dict.fromkeys(r["scaling"] for r in rows))
     for k, name in enumerate(names):
         rs = sorted((r for r in rows if r["scaling"] == name), key=lambda r: r["bucket"][0])
@@ -344,6 +271,4 @@ def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the an
     ax.set_ylabel(ylabel)
     ax.set_title(f"{meta['drafter']}: {what}, 95% bootstrap intervals")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -4,9 +4,13 @@
   the self-distilled corpus or packed raw text;
 - `losses`: soft cross-entropy against the target's top-k distributions, the draft vocabulary,
   the feature scale;
-- `loop`: the shared options, data loading and optimisation loop (`fit`);
-- one recipe module per drafter (`dflash`, `eagle3`, `pard`), each with `add_arguments(parser)`
-  and `main(args)`, named by the drafter registry (`drafters.registry`).
+- `loop`: the shared options, data loading, optimisation loop (`fit`) and the one `main` of
+  every recipe (`Recipe`, `run_recipe`);
+- `common`: data helpers the recipes share (anchors, windows, cache columns);
+- one recipe module per drafter (`dflash`, `eagle3`, `pard`, `longspark`), each a `RECIPE`
+  (`loop.Recipe`: how to build its drafter, its loss and its evaluation, plus the hooks the
+  evaluations read) with `add_arguments(parser)` and `main(args)`, named by the drafter registry
+  (`drafters.registry`).
 """
 
 
@@ -21,3 +25,15 @@ def recipe(name: str):
     from ..drafters import registry
 
     return importlib.import_module(registry.get(name).recipe)
+
+
+def recipe_of(drafter):
+    """The `loop.Recipe` of `drafter`'s kind (`drafters.registry.kind_of`), whose hooks
+    (`anchor_leads`, `walk_evaluate`) replay the recipe's teacher-forced drafting.
+
+    Raises:
+        ValueError: the drafter's class is not a registered kind.
+    """
+    from ..drafters import registry
+
+    return recipe(registry.kind_of(drafter).name).RECIPE

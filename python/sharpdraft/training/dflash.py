@@ -21,33 +21,17 @@ Recipe:
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import List, Optional
 
 import torch
 
-from ..drafters.dflash import (DFlashConfig, DFlashDrafter, default_mask_token_id,
-                              evenly_spaced_layers)
-from .losses import (agreement_metrics, distill_loss, draft_vocabulary, feature_scale,
-                     position_weights, target_to_draft)
-from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, finish, fit,
-                   init_from_checkpoint, prepare_run, run_meta, skipped_positions)
-
-
-def sample_anchors(trained: torch.Tensor, n: int, gen: torch.Generator,
-                   max_anchor: Optional[int] = None) -> torch.Tensor:
-    """Up to n distinct anchors (sorted) among the rows a >= 1 with trained[a] (the first block
-    row's target is a training target). max_anchor: keep anchors <= max_anchor where any
-    remain (else the earliest n), the context curriculum."""
-    cand = torch.nonzero(trained[1:]).flatten() + 1
-    if cand.numel() == 0:
-        raise ValueError("sample_anchors: the sequence has no trained row after position 0")
-    if max_anchor is not None:
-        near = cand[cand <= max_anchor]
-        cand = near if near.numel() else cand[:n]
-    pick = torch.randperm(cand.numel(), generator=gen)[:n]
-    return cand[pick].sort().values
+from ..drafters.common import default_mask_token_id
+from ..drafters.dflash import DFlashConfig, DFlashDrafter
+from .common import draft_guess, drafter_features, sample_anchors
+from .losses import (agreement_metrics, distill_loss, feature_scale, position_weights,
+                     target_to_draft)
+from .loop import (Plan, Recipe, add_common_arguments, add_position_skip_arguments,
+                   skipped_positions, with_draft_vocab)
 
 
 def block_batch(seq: dict, anchors: torch.Tensor, block_size: int, mask_id: int):
@@ -98,8 +82,7 @@ def evaluate(drafter: DFlashDrafter, target, features, blocks: int, gamma: float
         anchors = sample_anchors(seq["trained"], blocks, gen)
         loss, _, logits, top_i, valid = block_step(drafter, target, seq, anchors, w, t2d, scale)
         losses.append(float(loss))
-        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
-        oks.append((guess == top_i[..., 0]) & valid)                          # (K, b - 1)
+        oks.append((draft_guess(drafter, logits) == top_i[..., 0]) & valid)     # (K, b - 1)
         valids.append(valid)
     return agreement_metrics(losses, oks, valids)
 
@@ -169,66 +152,63 @@ def folded_drafter(drafter: DFlashDrafter, scale: Optional[torch.Tensor]) -> DFl
     return snapshot.eval()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, lr=6e-4, seq_len=1024, warmup=60)
-    p.add_argument("--blocks", type=int, default=16, help="draft blocks per sequence and step")
+def anchor_leads(drafter: DFlashDrafter, target, seq: dict, anchors: torch.Tensor
+                 ) -> torch.Tensor:
+    """(A,) int64: at each anchor, how many of the block's greedy drafts, in order, equal the
+    target's top-1 along the text (teacher forced, one parallel forward; `seq` a cached
+    sequence of raw features with its "layer_ids"; a row outside the sequence or not trained
+    ends the run)."""
+    block, rows, valid = block_batch(seq, anchors, drafter.config.block_size,
+                                     drafter.config.mask_token_id)
+    logits = drafter.block_logits(target, drafter_features(drafter, seq), block, anchors)[:, 1:]
+    ok = (draft_guess(drafter, logits) == seq["top_i"][rows][..., 0].long()) & valid
+    return ok.int().cumprod(-1).sum(-1)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of `sharpdraft train dflash`; the defaults are those of the shipped weights
+    (checkpoints/dflash-smollm2/RECIPE.md, stage 12, less its continuation's lower --lr)."""
+    add_common_arguments(p, lr=1e-3)
+    p.add_argument("--blocks", type=int, default=64, help="draft blocks per sequence and step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--features", type=int, default=4, help="target layers read as context")
-    p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay along the block")
+    p.add_argument("--gamma", type=float, default=2.0, help="loss weight decay along the block")
     p.add_argument("--eval-blocks", type=int, default=32)
     p.add_argument("--init", choices=["early", "late", "random"], default="early",
                    help="start the drafter from the target's first layers (early), its last "
                         "layers (late), or randomly (see init_from_target)")
-    p.add_argument("--anchor-warmup", type=float, default=0.3,
+    p.add_argument("--anchor-warmup", type=float, default=0.0,
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
     p.add_argument("--min-context", type=int, default=32)
-    add_position_skip_arguments(p)
+    add_position_skip_arguments(p, default=0.5)
 
 
-def main(args: argparse.Namespace) -> dict:
-    def layers(target):                  # the target layers whose outputs the drafter reads
-        if args.init_from:
-            return DFlashDrafter.read_config(args.init_from).target_layer_ids
-        return evenly_spaced_layers(target.config.num_hidden_layers, args.features)
+def _build(args, target, tokenizer, train) -> tuple:
+    cfg = DFlashConfig.from_target(
+        target.config, mask_token_id=default_mask_token_id(tokenizer), num_layers=args.layers,
+        block_size=args.block_size, num_features=args.features, train_context=args.seq_len,
+        draft_vocab_size=args.draft_vocab or None)
+    drafter = with_draft_vocab(DFlashDrafter(cfg), target, train["features"])
+    init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
+    return drafter, init_layers
 
-    target, tokenizer, provenance, train, held, cache_s = prepare_run(args, layers)
-    if args.cache_only:
-        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+
+def _plan(args, drafter: DFlashDrafter, target, train, held, continued: bool) -> Plan:
     tr = train["features"]
-    init = None
-    if args.init_from:       # its fc already reads raw features: no second feature scale
-        drafter, init = init_from_checkpoint(DFlashDrafter, args.init_from, target)
-        init_layers, scale = None, None
-    else:
-        cfg = DFlashConfig.from_target(
-            target.config, mask_token_id=default_mask_token_id(tokenizer),
-            num_layers=args.layers, block_size=args.block_size, num_features=args.features,
-            train_context=args.seq_len, draft_vocab_size=args.draft_vocab or None)
-        drafter = DFlashDrafter(cfg)
-        if cfg.draft_vocab_size is not None:
-            vocab = target.get_output_embeddings().weight.shape[0]
-            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-        init_layers = (init_from_target(drafter, target, args.init) if args.init != "random"
-                       else None)
-        scale = feature_scale(tr.feature_rows())
-    out = Path(args.out)
-    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
-            "init_from": init, "cache_seconds": round(cache_s, 1)}
-    print(f"sharpdraft train dflash: {meta['drafter_params'] / 1e6:.2f}M parameters",
-          file=sys.stderr)
+    # a continued checkpoint's fc already reads raw features: no second feature scale
+    scale = None if continued else feature_scale(tr.feature_rows())
     loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma, scale=scale,
                         anchor_warmup=args.anchor_warmup, min_context=args.min_context,
                         position_skip=args.position_skip,
                         max_position=args.max_position or target.config.max_position_embeddings)
-    result = fit(drafter, target, loss_fn,
-                 lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
-                                  args.gamma, scale=scale),
-                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
-                 out=out, save_dtype=getattr(torch, args.save_dtype),
-                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training dflash", autocast=autocast_dtype(args.autocast),
-                 snapshot=lambda: folded_drafter(drafter, scale))
-    return finish(out, meta, result)
+    return Plan(loss_fn, lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
+                                          args.gamma, scale=scale),
+                snapshot=lambda: folded_drafter(drafter, scale))
+
+
+RECIPE = Recipe("dflash", DFlashDrafter, arguments, _build, _plan, layers_option="features",
+                anchor_leads=anchor_leads)
+add_arguments = RECIPE.add_arguments
+main = RECIPE.main

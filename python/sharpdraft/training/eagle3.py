@@ -25,36 +25,15 @@ Recipe:
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .losses import (decoding_walk, draft_vocabulary, feature_scale, soft_cross_entropy,
-                     target_to_draft, trained_ahead)
-from .loop import (add_common_arguments, add_position_skip_arguments, autocast_dtype, check_window,
-                   finish, fit, init_from_checkpoint, prepare_run, run_meta, skipped_positions)
-
-
-def fused_columns(cached_layers, chosen, width: int) -> torch.Tensor:
-    """Column indices of the `chosen` layers inside features cached for `cached_layers`."""
-    return torch.cat([torch.arange(cached_layers.index(l) * width,
-                                   (cached_layers.index(l) + 1) * width) for l in chosen])
-
-
-def window_start(trained: torch.Tensor, window: int, gen=None) -> int:
-    """Start of a `window`-token window (the whole sequence when shorter) that holds trained
-    rows: random (gen) or the last window (gen None)."""
-    T = trained.shape[0]
-    last = max(0, T - window)
-    if gen is None:
-        return last
-    first = int(torch.nonzero(trained).flatten()[0]) if bool(trained.any()) else 0
-    lo = min(max(0, first - window // 2), last)
-    return lo + int(torch.randint(last - lo + 1, (), generator=gen))
+from .common import draft_guess, drafter_features, fused_columns, window_start
+from .losses import decoding_walk, feature_scale, soft_cross_entropy, target_to_draft, trained_ahead
+from .loop import (Plan, Recipe, add_common_arguments, add_position_skip_arguments, check_window,
+                   skipped_positions, with_draft_vocab)
 
 
 def depth_losses(drafter: Eagle3Drafter, target, seq: dict, off: int, window: int, steps: int,
@@ -112,8 +91,7 @@ def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, windo
                             / w.sum()))
         oks = []
         for d, (_, v, lg, top1) in enumerate(per):
-            guess = lg.argmax(-1) if drafter.d2t is None else drafter.d2t[lg.argmax(-1)]
-            ok = (guess == top1) & v
+            ok = (draft_guess(drafter, lg) == top1) & v
             hits[d] += ok.sum()
             counts[d] += v.sum()
             oks.append(ok)
@@ -158,8 +136,34 @@ def make_loss(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, wind
     return loss_fn
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, lr=2e-3, seq_len=1024)
+def anchor_leads(drafter: Eagle3Drafter, target, seq: dict, anchors: torch.Tensor
+                 ) -> torch.Tensor:
+    """(A,) int64: at each anchor, how many of the chain's greedy drafts (chain_length depths
+    of the training-time test), in order, equal the target's top-1 along the text (teacher
+    forced; `seq` a cached sequence of raw features with its "layer_ids")."""
+    K = drafter.config.chain_length
+    end = min(seq["ids"].shape[0], int(anchors.max()) + K + 2)
+    logits = drafter.ttt_logits(target, drafter_features(drafter, seq)[:end],
+                                seq["ids"][:end].long(), K)
+    top1 = seq["top_i"][:end, 0].long()
+    ok = []
+    for d, lg in enumerate(logits):     # depth d, row t = anchor - 1: token anchor + d + 1
+        t = (anchors - 1).clamp(max=lg.shape[0] - 1)
+        hit = (draft_guess(drafter, lg[t]) == top1[(t + 1 + d).clamp(max=end - 1)])
+        ok.append(hit & (anchors - 1 < lg.shape[0]))
+    return torch.stack(ok, 1).int().cumprod(1).sum(1)
+
+
+def walk_evaluate(drafter: Eagle3Drafter, target, seqs, window: int) -> dict:
+    """`evaluate` on sequences whose features are exactly the drafter's fused layers."""
+    width = seqs[0]["feats"].shape[1]
+    return evaluate(drafter, target, seqs, torch.arange(width), window=window)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of `sharpdraft train eagle3`; the defaults are those of the shipped weights
+    (checkpoints/eagle3-smollm2/RECIPE.md, stage 11, less its continuation's LR_SCALE)."""
+    add_common_arguments(p, lr=1e-3)
     p.add_argument("--window", type=int, default=512,
                    help="training window in tokens (recorded as train_context)")
     p.add_argument("--ttt-steps", type=int, default=3,
@@ -169,45 +173,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_position_skip_arguments(p)
 
 
-def main(args: argparse.Namespace) -> dict:
+def _check(args) -> None:
     check_window(args, args.chain_length + 2, "--chain-length + 2")
-    target, tokenizer, provenance, train, held, _ = prepare_run(
-        args, lambda t: evenly_spaced_layers(t.config.num_hidden_layers, 4))
-    cached = train["meta"]["layer_ids"]               # the layers the cache holds
-    L = target.config.num_hidden_layers
-    if args.cache_only:
-        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
-    chosen = [cached[0], min(cached, key=lambda l: abs(l - L // 2)), cached[-1]]
+
+
+def _fused_layers(cached, num_layers: int) -> list:
+    """The three cached layers EAGLE-3 fuses: the lowest, the one nearest L / 2, the highest."""
+    return [cached[0], min(cached, key=lambda l: abs(l - num_layers // 2)), cached[-1]]
+
+
+def _build(args, target, tokenizer, train) -> tuple:
+    chosen = _fused_layers(train["meta"]["layer_ids"], target.config.num_hidden_layers)
     cfg = Eagle3Config.from_target(target.config, target_layer_ids=chosen,
                                    train_context=args.window, chain_length=args.chain_length,
                                    draft_vocab_size=args.draft_vocab or None)
+    return with_draft_vocab(Eagle3Drafter(cfg), target, train["features"]), None
+
+
+def _plan(args, drafter: Eagle3Drafter, target, train, held, continued: bool) -> Plan:
     tr = train["features"]
-    init = None
-    if args.init_from:            # its feature scale is a buffer of the checkpoint: kept
-        drafter, init = init_from_checkpoint(Eagle3Drafter, args.init_from, target)
-        chosen = list(drafter.config.target_layer_ids)
-    else:
-        drafter = Eagle3Drafter(cfg)
-        vocab = target.get_output_embeddings().weight.shape[0]
-        if cfg.draft_vocab_size is not None:
-            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-    cols = fused_columns(cached, chosen, target.config.hidden_size)
-    if init is None:
+    chosen = list(drafter.config.target_layer_ids)
+    cols = fused_columns(train["meta"]["layer_ids"], chosen, target.config.hidden_size)
+    if not continued:         # a continued checkpoint's feature scale is one of its buffers
         with torch.no_grad():
             drafter.feature_scale.copy_(feature_scale(tr.feature_rows()[:, cols]))
     loss_fn = make_loss(drafter, target, tr, cols, args.window, args.ttt_steps,
                         args.depth_decay, position_skip=args.position_skip,
                         max_position=args.max_position or target.config.max_position_embeddings)
-    out = Path(args.out)
-    meta = {**run_meta(args, provenance, drafter, None, train, held), "init_from": init}
-    print(f"sharpdraft train eagle3: {meta['drafter_params'] / 1e6:.2f}M parameters, fused "
-          f"target layers {chosen}", file=sys.stderr)
-    result = fit(drafter, target, loss_fn,
-                 lambda: evaluate(drafter, target, held["features"], cols, window=args.window,
-                                  depth_decay=args.depth_decay),
-                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
-                 out=out, save_dtype=getattr(torch, args.save_dtype),
-                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training eagle3", autocast=autocast_dtype(args.autocast))
-    return finish(out, meta, result)
+    return Plan(loss_fn, lambda: evaluate(drafter, target, held["features"], cols,
+                                          window=args.window, depth_decay=args.depth_decay),
+                note=f", fused target layers {chosen}")
+
+
+RECIPE = Recipe("eagle3", Eagle3Drafter, arguments, _build, _plan, check=_check,
+                anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
+add_arguments = RECIPE.add_arguments
+main = RECIPE.main

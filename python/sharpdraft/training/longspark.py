@@ -22,18 +22,15 @@ Recipe (the paper's, ../shared/docs/LONGSPARK.md, at CPU scale):
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-from ..drafters.dflash import default_mask_token_id, evenly_spaced_layers
+from ..drafters.common import default_mask_token_id
 from ..drafters.longspark import LongSparkConfig, LongSparkDrafter
-from .dflash import sample_anchors
-from .losses import (agreement_metrics, draft_vocabulary, feature_scale, l1_distance,
-                     position_weights, target_to_draft)
-from .loop import (add_common_arguments, autocast_dtype, finish, fit, init_from_checkpoint,
-                   prepare_run, run_meta)
+from .common import draft_guess, drafter_features, sample_anchors
+from .losses import (agreement_metrics, feature_scale, l1_distance, position_weights,
+                     target_to_draft)
+from .loop import Plan, Recipe, add_common_arguments, with_draft_vocab
 
 
 def round_rows(seq: dict, anchors: torch.Tensor, num_drafts: int) -> tuple:
@@ -107,8 +104,7 @@ def evaluate(drafter: LongSparkDrafter, target, features, blocks: int, gamma: fl
         loss, logits, rows, valid = round_step(drafter, target, seq, anchors, w, t2d, ce_weight,
                                                teacher="target")
         losses.append(float(loss))
-        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
-        oks.append((guess == seq["top_i"][rows][..., 0].long()) & valid)
+        oks.append((draft_guess(drafter, logits) == seq["top_i"][rows][..., 0].long()) & valid)
         valids.append(valid)
     return agreement_metrics(losses, oks, valids)
 
@@ -128,8 +124,24 @@ def make_loss(drafter: LongSparkDrafter, target, features, *, blocks: int, gamma
     return loss_fn
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, lr=6e-4, seq_len=1024, warmup=40)
+def anchor_leads(drafter: LongSparkDrafter, target, seq: dict, anchors: torch.Tensor
+                 ) -> torch.Tensor:
+    """(A,) int64: at each anchor, how many of the round's greedy drafts, in order, equal the
+    target's top-1 along the text (teacher forced, the correction reading the target's top-1
+    predecessors; `seq` a cached sequence of raw features with its "layer_ids")."""
+    ids = seq["ids"].long()
+    rows, valid = round_rows(seq, anchors, drafter.config.num_drafts)
+    top1 = seq["top_i"][:, 0].long()
+    pred = torch.cat([ids[anchors][:, None], top1[rows[:, :-1]]], dim=1)  # greedy predecessors
+    logits = drafter.block_logits(target, drafter_features(drafter, seq), ids, anchors, pred)
+    ok = (draft_guess(drafter, logits) == top1[rows]) & valid
+    return ok.int().cumprod(-1).sum(-1)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of `sharpdraft train longspark`; the defaults are those of the shipped weights
+    (checkpoints/longspark-smollm2/RECIPE.md, stage 5, less its continuation's LR_SCALE)."""
+    add_common_arguments(p, lr=4e-4, eval_every=500)
     p.add_argument("--blocks", type=int, default=24, help="drafting rounds per sequence and step")
     p.add_argument("--drafts", type=int, default=7, help="B, slots and drafts per round")
     p.add_argument("--layers", type=int, default=4,
@@ -144,46 +156,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-blocks", type=int, default=32)
 
 
-def main(args: argparse.Namespace) -> dict:
-    def layers(target):
-        if args.init_from:
-            return LongSparkDrafter.read_config(args.init_from).target_layer_ids
-        return evenly_spaced_layers(target.config.num_hidden_layers, args.layers)
+def _build(args, target, tokenizer, train) -> tuple:
+    cfg = LongSparkConfig.from_target(
+        target.config, mask_token_id=default_mask_token_id(tokenizer), num_layers=args.layers,
+        num_drafts=args.drafts, window=args.window, summary_size=args.summary,
+        correction_rank=args.rank, train_context=args.seq_len,
+        draft_vocab_size=args.draft_vocab or None)
+    drafter = with_draft_vocab(LongSparkDrafter(cfg), target, train["features"])
+    init_layers = drafter.init_from_target(target)
+    with torch.no_grad():
+        drafter.boundary_scale.copy_(feature_scale(train["features"].feature_rows()))
+    return drafter, init_layers
 
-    target, tokenizer, provenance, train, held, cache_s = prepare_run(args, layers)
-    if args.cache_only:
-        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
-    tr = train["features"]
-    init = None
-    if args.init_from:
-        drafter, init = init_from_checkpoint(LongSparkDrafter, args.init_from, target)
-        init_layers = None
-    else:
-        cfg = LongSparkConfig.from_target(
-            target.config, mask_token_id=default_mask_token_id(tokenizer),
-            num_layers=args.layers, num_drafts=args.drafts, window=args.window,
-            summary_size=args.summary, correction_rank=args.rank, train_context=args.seq_len,
-            draft_vocab_size=args.draft_vocab or None)
-        drafter = LongSparkDrafter(cfg)
-        if cfg.draft_vocab_size is not None:
-            vocab = target.get_output_embeddings().weight.shape[0]
-            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-        init_layers = drafter.init_from_target(target)
-        with torch.no_grad():
-            drafter.boundary_scale.copy_(feature_scale(tr.feature_rows()))
-    out = Path(args.out)
-    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
-            "init_from": init, "cache_seconds": round(cache_s, 1)}
-    print(f"sharpdraft train longspark: {meta['drafter_params'] / 1e6:.2f}M parameters",
-          file=sys.stderr)
-    loss_fn = make_loss(drafter, target, tr, blocks=args.blocks, gamma=args.gamma,
-                        ce_weight=args.ce_weight)
-    result = fit(drafter, target, loss_fn,
-                 lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
-                                  args.gamma, args.ce_weight),
-                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
-                 out=out, save_dtype=getattr(torch, args.save_dtype),
-                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=True, desc="training longspark",
-                 autocast=autocast_dtype(args.autocast))
-    return finish(out, meta, result)
+
+def _plan(args, drafter: LongSparkDrafter, target, train, held, continued: bool) -> Plan:
+    loss_fn = make_loss(drafter, target, train["features"], blocks=args.blocks,
+                        gamma=args.gamma, ce_weight=args.ce_weight)
+    return Plan(loss_fn, lambda: evaluate(drafter, target, held["features"], args.eval_blocks,
+                                          args.gamma, args.ce_weight))
+
+
+RECIPE = Recipe("longspark", LongSparkDrafter, arguments, _build, _plan, layers_option="layers",
+                eval_at_start=True, anchor_leads=anchor_leads)
+add_arguments = RECIPE.add_arguments
+main = RECIPE.main

@@ -12,6 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
@@ -19,12 +20,16 @@ from torch import nn
 from tqdm import tqdm
 
 from ..target.precision import choose_autocast
+from ..drafters.common import evenly_spaced_layers
 from .cache import autocast_to, cached_features
+from .losses import draft_vocabulary
 
 
-def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
-                         steps: int = 2000, warmup: int = 50) -> None:
-    """Options every recipe shares (data, cache, schedule, output, runtime)."""
+def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int = 1024,
+                         steps: int = 2000, warmup: int = 30, eval_every: int = 250) -> None:
+    """Options every recipe shares (data, cache, schedule, output, runtime); `lr`, `seq_len`,
+    `steps`, `warmup` and `eval_every` are the recipe's defaults of those options (those its
+    shipped weights were trained with)."""
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus", default=None,
@@ -48,8 +53,11 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
     p.add_argument("--steps", type=int, default=steps,
                    help="optimiser steps (the schedule's length)")
     p.add_argument("--lr", type=float, default=lr, help="peak AdamW learning rate")
+    p.add_argument("--lr-scale", type=float, default=1.0,
+                   help="multiplies --lr (continuations of trained weights have used 0.15-0.5); "
+                        "training.json records the product as lr")
     p.add_argument("--warmup", type=int, default=warmup, help="linear warm-up steps")
-    p.add_argument("--eval-every", type=int, default=200,
+    p.add_argument("--eval-every", type=int, default=eval_every,
                    help="held-out evaluation (and best-checkpoint) period in steps")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype of the saved weights")
@@ -84,9 +92,10 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int,
                         "held-out cache is always float32")
 
 
-def add_position_skip_arguments(p: argparse.ArgumentParser) -> None:
-    """--position-skip / --max-position, for recipes with position-robust training."""
-    p.add_argument("--position-skip", type=float, default=0.0,
+def add_position_skip_arguments(p: argparse.ArgumentParser, default: float = 0.0) -> None:
+    """--position-skip (default `default`) / --max-position, for recipes with position-robust
+    training."""
+    p.add_argument("--position-skip", type=float, default=default,
                    help="position-robust training: the share of steps whose context positions "
                         "skip forward (one random gap, PoSE-style) so that distances up to "
                         "--max-position are trained with --seq-len keys (0 = off)")
@@ -188,7 +197,7 @@ def resolve_precision(args, target) -> None:
 def load_data(args, target, tokenizer, provenance, layer_ids: List[int]):
     """(train, held-out) caches of the layers `layer_ids` (see `cache.cached_features`).
 
-    Every recipe of the default target reads `drafters.dflash.evenly_spaced_layers(L, 4)` (or a
+    Every recipe of the default target reads `drafters.common.evenly_spaced_layers(L, 4)` (or a
     subset), so one set of target forwards serves every drafter."""
     if args.seq_len < 16:
         raise SystemExit(f"--seq-len must be >= 16, got {args.seq_len}")
@@ -372,3 +381,119 @@ def finish(out: Path, meta: dict, result: dict) -> dict:
     print(json.dumps({k: summary[k] for k in ("steps_done", "train_seconds", "trained_rows_seen",
                                               "best_eval")}, indent=2))
     return summary
+
+
+# ----- one recipe, one main --------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What a recipe hands `run_recipe` once its drafter exists: loss_fn(gen, frac) -> (loss,
+    log fields) and eval_fn() -> held-out metrics, as `fit` takes them; snapshot() -> the module
+    to save as the best checkpoint (None: a copy of the drafter); note: appended to the
+    parameter count said on stderr."""
+
+    loss_fn: Callable
+    eval_fn: Callable[[], dict]
+    snapshot: Optional[Callable[[], nn.Module]] = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A drafter kind's training recipe, run by `run_recipe` (`sharpdraft train <name>`).
+
+    name: the kind (registry name). drafter_cls: its Drafter class (`--init-from` loads it).
+    arguments(parser): adds every flag of the recipe (`add_common_arguments` included).
+    build(args, target, tokenizer, train) -> (untrained drafter, target layers it was
+    initialised from or None); `train` is the train cache ({"features", "meta", "folder"}).
+    plan(args, drafter, target, train, held, continued) -> Plan; continued: the drafter came
+    from `--init-from` (its scales are part of the checkpoint).
+    layers_option: None (the default): cache `evenly_spaced_layers(L, 4)`, shared by every
+    drafter of the default target; else the option (args attribute) giving n for a drafter
+    that reads exactly `evenly_spaced_layers(L, n)` (a continued checkpoint: its own layers).
+    check(args): refuses bad flag combinations (SystemExit) before any work.
+    eval_at_start: always evaluate before the first step (otherwise only a continued run).
+
+    Hooks the evaluations read instead of switching on drafter kinds:
+    anchor_leads(drafter, target, seq, anchors) -> (A,) int64 leading drafts equal to the
+    target's top-1, teacher forced (`eval.sweep`); walk_evaluate(drafter, target, seqs, window)
+    -> held-out metrics with "tau_walk" and "tau_proxy" over the last `window` rows of
+    sequences whose features are the drafter's own layers (None where the recipe has no walk
+    metric; `benchmarks/decoding_walk_cpu.py`).
+    """
+
+    name: str
+    drafter_cls: type
+    arguments: Callable[[argparse.ArgumentParser], None]
+    build: Callable[..., tuple]
+    plan: Callable[..., Plan]
+    layers_option: Optional[str] = None
+    check: Optional[Callable[[argparse.Namespace], None]] = None
+    eval_at_start: bool = False
+    anchor_leads: Optional[Callable[..., torch.Tensor]] = None
+    walk_evaluate: Optional[Callable[..., dict]] = None
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        """The recipe's flags on `p` (the registry's recipe contract)."""
+        self.arguments(p)
+
+    def main(self, args: argparse.Namespace) -> dict:
+        """`run_recipe(self, args)` (the registry's recipe contract)."""
+        return run_recipe(self, args)
+
+    def layers(self, args, target) -> List[int]:
+        """The target layers whose outputs the run caches (see `layers_option`)."""
+        if self.layers_option is None:
+            return evenly_spaced_layers(target.config.num_hidden_layers, 4)
+        if args.init_from:
+            return self.drafter_cls.read_config(args.init_from).target_layer_ids
+        return evenly_spaced_layers(target.config.num_hidden_layers,
+                                    getattr(args, self.layers_option))
+
+
+def with_draft_vocab(drafter, target, features):
+    """`drafter` with its draft vocabulary set to the most frequent target ids of `features`
+    where its config asks for one (config.draft_vocab_size not None); returns it."""
+    size = drafter.config.draft_vocab_size
+    if size is not None:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        drafter.set_draft_vocab(draft_vocabulary(features, size, vocab))
+    return drafter
+
+
+def run_recipe(recipe: Recipe, args: argparse.Namespace) -> dict:
+    """Train a drafter by `recipe` from parsed `args`: the target and the feature caches
+    (`prepare_run`), the drafter (`--init-from`'s checkpoint or `recipe.build`), then `fit`
+    writing config.json, model.safetensors and training.json (the best checkpoint) and
+    train_log.jsonl to --out. Returns the training.json summary, or {"train_cache",
+    "heldout_cache"} folders with --cache-only.
+
+    Raises:
+        SystemExit: bad options (recipe.check, --device, --seq-len, --corpus).
+    """
+    if recipe.check is not None:
+        recipe.check(args)
+    args.lr = args.lr * getattr(args, "lr_scale", 1.0)       # the peak learning rate used
+    target, tokenizer, provenance, train, held, cache_s = prepare_run(
+        args, lambda t: recipe.layers(args, t))
+    if args.cache_only:
+        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+    init = None
+    if args.init_from:
+        drafter, init = init_from_checkpoint(recipe.drafter_cls, args.init_from, target)
+        init_layers = None
+    else:
+        drafter, init_layers = recipe.build(args, target, tokenizer, train)
+    plan = recipe.plan(args, drafter, target, train, held, init is not None)
+    out = Path(args.out)
+    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
+            "init_from": init, "cache_seconds": round(cache_s, 1)}
+    print(f"sharpdraft train {recipe.name}: {meta['drafter_params'] / 1e6:.2f}M parameters"
+          f"{plan.note}", file=sys.stderr)
+    result = fit(drafter, target, plan.loss_fn, plan.eval_fn, steps=args.steps, lr=args.lr,
+                 warmup=args.warmup, eval_every=args.eval_every, out=out,
+                 save_dtype=getattr(torch, args.save_dtype),
+                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                 seed=args.seed, meta=meta, eval_at_start=recipe.eval_at_start or init is not None,
+                 desc=f"training {recipe.name}", autocast=autocast_dtype(args.autocast),
+                 snapshot=plan.snapshot)
+    return finish(out, meta, result)

@@ -21,18 +21,13 @@ Recipe:
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-from ..drafters.dflash import evenly_spaced_layers
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
-from .eagle3 import window_start
-from .losses import (copy_losses, decoding_walk, draft_vocabulary, soft_cross_entropy,
-                     target_to_draft, trained_ahead)
-from .loop import (add_common_arguments, autocast_dtype, check_window, finish, fit,
-                   init_from_checkpoint, prepare_run, run_meta)
+from .common import draft_guess, window_start
+from .losses import copy_losses, decoding_walk, soft_cross_entropy, target_to_draft, trained_ahead
+from .loop import Plan, Recipe, add_common_arguments, check_window, with_draft_vocab
 
 
 def _window(seq: dict, off: int, W: int, t2d):
@@ -104,9 +99,8 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
         logits, pos, wanted, per_copy = trained_rows_forward(drafter, target, ids, keep,
                                                              trained, top_p, top_d)
         losses.append(float(per_copy[~per_copy.isnan()].mean()))
-        guess = logits.argmax(-1) if drafter.d2t is None else drafter.d2t[logits.argmax(-1)]
         ok = torch.zeros(k, W, dtype=torch.bool)
-        ok[wanted] = guess == top1[pos]
+        ok[wanted] = draft_guess(drafter, logits) == top1[pos]
         hits += ok.sum(1)
         counts += wanted.sum(1)
         anchors = torch.arange(0, W - k)                              # P: draft m at P + m - 1
@@ -140,8 +134,37 @@ def make_loss(drafter: PARDDrafter, target, features, window: int, keep_rate: fl
     return loss_fn
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_common_arguments(p, lr=5e-4, seq_len=1024)
+def anchor_leads(drafter: PARDDrafter, target, seq: dict, anchors: torch.Tensor
+                 ) -> torch.Tensor:
+    """(A,) int64: at each anchor, how many of the k parallel drafts (copy m at anchor + m
+    drafts m + 1), in order, equal the target's top-1 along the text (teacher forced, one
+    forward over the kept copy rows; `seq` a cached sequence)."""
+    k = drafter.config.num_draft_tokens
+    end = min(seq["ids"].shape[0], int(anchors.max()) + k + 1)
+    keep = torch.zeros(k, end, dtype=torch.bool)
+    keep[0] = True                            # the real prefix; copy m at anchor + m drafts m + 1
+    for m in range(1, k):
+        p = anchors + m
+        keep[m, p[p < end]] = True
+    keep[:, end - 1] = False
+    logits = drafter.train_logits(target, seq["ids"][:end].long(), keep)
+    pos, copy = copy_rows(keep)
+    ok = torch.zeros(k, end, dtype=torch.bool)
+    ok[keep] = draft_guess(drafter, logits) == seq["top_i"][:end][pos][:, 0].long()
+    m = torch.arange(k)
+    at = (anchors[:, None] + m).clamp(max=end - 1)
+    return ok[m[None, :].expand_as(at), at].int().cumprod(1).sum(1)
+
+
+def walk_evaluate(drafter: PARDDrafter, target, seqs, window: int) -> dict:
+    """`evaluate` over the last `window` rows of `seqs` (PARD reads no features)."""
+    return evaluate(drafter, target, seqs, window=window)
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of `sharpdraft train pard`; the defaults are those of the shipped weights
+    (checkpoints/pard-smollm2/RECIPE.md, stage 8, less its continuation's LR_SCALE)."""
+    add_common_arguments(p, lr=3e-4)
     p.add_argument("--window", type=int, default=512,
                    help="training window in tokens (recorded as train_context)")
     p.add_argument("--layers", type=int, default=4, help="drafter layers (the target's first)")
@@ -150,36 +173,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="conditional token drop: keep probability of a copy row given its ancestor")
 
 
-def main(args: argparse.Namespace) -> dict:
+def _check(args) -> None:
     check_window(args, args.draft_tokens + 2, "--draft-tokens + 2")
-    target, tokenizer, provenance, train, held, _ = prepare_run(
-        args, lambda t: evenly_spaced_layers(t.config.num_hidden_layers, 4))
-    if args.cache_only:
-        return {"train_cache": train["folder"], "heldout_cache": held["folder"]}
+
+
+def _build(args, target, tokenizer, train) -> tuple:
     cfg = PARDConfig.from_target(target.config, num_layers=args.layers,
                                  num_draft_tokens=args.draft_tokens, train_context=args.window,
                                  draft_vocab_size=args.draft_vocab or None)
-    tr = train["features"]
-    init = None
-    if args.init_from:
-        drafter, init = init_from_checkpoint(PARDDrafter, args.init_from, target)
-        init_layers = None
-    else:
-        drafter = PARDDrafter(cfg)
-        vocab = target.get_output_embeddings().weight.shape[0]
-        if cfg.draft_vocab_size is not None:
-            drafter.set_draft_vocab(draft_vocabulary(tr, cfg.draft_vocab_size, vocab))
-        init_layers = drafter.init_from_target(target)
-    loss_fn = make_loss(drafter, target, tr, args.window, args.keep_rate)
-    out = Path(args.out)
-    meta = {**run_meta(args, provenance, drafter, init_layers, train, held), "init_from": init}
-    print(f"sharpdraft train pard: {meta['drafter_params'] / 1e6:.2f}M parameters",
-          file=sys.stderr)
-    result = fit(drafter, target, loss_fn,
-                 lambda: evaluate(drafter, target, held["features"], window=args.window),
-                 steps=args.steps, lr=args.lr, warmup=args.warmup, eval_every=args.eval_every,
-                 out=out, save_dtype=getattr(torch, args.save_dtype),
-                 max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                 seed=args.seed, meta=meta, eval_at_start=init is not None,
-                 desc="training pard", autocast=autocast_dtype(args.autocast))
-    return finish(out, meta, result)
+    drafter = with_draft_vocab(PARDDrafter(cfg), target, train["features"])
+    return drafter, drafter.init_from_target(target)
+
+
+def _plan(args, drafter: PARDDrafter, target, train, held, continued: bool) -> Plan:
+    return Plan(make_loss(drafter, target, train["features"], args.window, args.keep_rate),
+                lambda: evaluate(drafter, target, held["features"], window=args.window))
+
+
+RECIPE = Recipe("pard", PARDDrafter, arguments, _build, _plan, check=_check,
+                anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
+add_arguments = RECIPE.add_arguments
+main = RECIPE.main
