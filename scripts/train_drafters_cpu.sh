@@ -7,8 +7,8 @@
 #   bash scripts/train_drafters_cpu.sh [MINUTES_PER_DRAFTER] [OUT_ROOT]
 # MINUTES_PER_DRAFTER (default 12): each loop's time budget (its cosine schedule ends with it);
 # OUT_ROOT (default runs/stage2): receives <drafter>-smollm2/ (copy config.json,
-# model.safetensors, training.json and train_log.jsonl into
-# python/sharpdraft/checkpoints/<drafter>-smollm2/).
+# model.safetensors and training.json into python/sharpdraft/checkpoints/<drafter>-smollm2/,
+# train_log.jsonl into docs/training/<drafter>/ as train_log_stage<N>.jsonl).
 # Env: DRAFTERS (default "dflash eagle3 pard"; longspark too), INIT (default
 # python/sharpdraft/checkpoints), THREADS (default 2), TOKENS (train response tokens taken from
 # the corpus, in corpus order; default all), LR_SCALE (default 1: `--lr-scale`, multiplies each
