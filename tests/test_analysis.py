@@ -350,9 +350,11 @@ def test_cli_analyze_compare(tmp_path, capsys):
     assert [r["scaling"] for r in rows] == ["base: frozen", "b: frozen"]
     assert rows[1]["delta_vs_base"] == pytest.approx(0.5)
     assert (tmp_path / "c" / "compare.png").exists()
-    with pytest.raises(SystemExit, match="no sweep.json"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
         cli.main(["analyze", "compare", str(tmp_path / "a"), str(tmp_path / "nope"),
                   "--out", str(tmp_path / "d")])
+    assert exc.value.code == 2 and "no sweep.json" in capsys.readouterr().err
 
 
 def test_long_decode_buckets_every_step_by_output_length(tmp_path):

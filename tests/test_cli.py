@@ -1,5 +1,6 @@
 """`sharpdraft generate` end to end on a tiny local Hugging Face checkpoint (model + tokenizer)."""
 import json
+import re
 
 import pytest
 import torch
@@ -113,9 +114,18 @@ def test_bad_options_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_kjv_context_beyond_genesis_names_the_flag(checkpoint):
-    with pytest.raises(ValueError, match="--kjv-context"):
-        cli.main(["generate", "--target", str(checkpoint), "--kjv-context", "10000000"])
+def error_line(capsys, command: str = "generate") -> str:
+    """The one error line a failed `sharpdraft <command>` left on stderr (no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.startswith(f"sharpdraft {command}: error: ")]
+    assert len(lines) == 1 and err.rstrip().endswith(lines[0]), err
+    return lines[0]
+
+
+def test_kjv_context_beyond_genesis_names_the_flag(checkpoint, capsys):
+    assert cli.main(["generate", "--target", str(checkpoint), "--kjv-context", "10000000"]) == 1
+    assert "--kjv-context" in error_line(capsys)
 
 
 def test_bench_table_summarises_each_kind():
@@ -188,7 +198,7 @@ def test_non_utf8_text_file_is_an_error_naming_the_file(tmp_path, capsys, flag):
     assert exc.value.code == 2 and flag in err and str(bad) in err and "UTF-8" in err
 
 
-def test_prompt_past_the_context_is_refused_before_the_drafter(checkpoint, monkeypatch):
+def test_prompt_past_the_context_is_refused_before_the_drafter(checkpoint, monkeypatch, capsys):
     """tiny target: max_position_embeddings 512; the prompt + 600 new tokens do not fit."""
     from transformers import AutoTokenizer
     prompt = "in the beginning god made the heaven and the earth"
@@ -197,10 +207,11 @@ def test_prompt_past_the_context_is_refused_before_the_drafter(checkpoint, monke
         raise AssertionError("the drafter was loaded before the context check")
     monkeypatch.setattr(cli, "build_drafter", no_drafter)
     argv = ["generate", "--target", str(checkpoint), "--prompt", prompt, "--no-chat-template"]
-    with pytest.raises(ValueError, match=r"--max-new-tokens 600.*512") as exc:
-        cli.main(argv + ["--max-new-tokens", "600"])
-    assert f"{n + 600} positions" in str(exc.value)
-    assert f"--max-new-tokens {512 - n} or less" in str(exc.value)  # what would fit
+    assert cli.main(argv + ["--max-new-tokens", "600"]) == 1
+    line = error_line(capsys)
+    assert re.search(r"--max-new-tokens 600.*512", line)
+    assert f"{n + 600} positions" in line
+    assert f"--max-new-tokens {512 - n} or less" in line            # what would fit
     monkeypatch.undo()
     # exactly at the limit it runs
     assert cli.main(argv + ["--max-new-tokens", str(512 - n), "--json", "--threads", "1"]) == 0
@@ -285,18 +296,18 @@ def test_checkpoint_of_another_drafter_kind(tmp_path, saved, loaded):
         assert "norm_features" in str(exc.value) and "mask_token_id" in str(exc.value)
 
 
-def test_cli_checks_the_drafter_checkpoint_against_the_target(checkpoint, tmp_path):
+def test_cli_checks_the_drafter_checkpoint_against_the_target(checkpoint, tmp_path, capsys):
     from sharpdraft_helpers import tiny_eagle3
     folder = _saved_drafter(tmp_path, "eagle3", tiny_eagle3, tiny_target(),
                             lambda c: c.update(target_layer_ids=[0, 2, 45]))
-    with pytest.raises(ValueError, match="target_layer_ids"):
-        cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
-                  "--no-chat-template", "--drafter", "eagle3", "--drafter-path", str(folder),
-                  "--max-new-tokens", "4"])
-    with pytest.raises(ValueError, match="DFlashConfig"):
-        cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
-                  "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
-                  "--max-new-tokens", "4"])
+    assert cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
+                     "--no-chat-template", "--drafter", "eagle3", "--drafter-path", str(folder),
+                     "--max-new-tokens", "4"]) == 1
+    assert "target_layer_ids" in error_line(capsys)
+    assert cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
+                     "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
+                     "--max-new-tokens", "4"]) == 1
+    assert "DFlashConfig" in error_line(capsys)
 
 
 @pytest.mark.parametrize("dtype,identical,noted", [("bfloat16", False, True),

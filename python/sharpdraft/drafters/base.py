@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from pathlib import Path
 from typing import List, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
@@ -67,16 +70,56 @@ def llama_config(config, num_layers: int) -> LlamaConfig:
 
 
 def check_config(config, minimums: dict) -> None:
-    """Raise ValueError naming the field when a drafter config field is below its minimum, or
-    when draft_vocab_size is neither None nor >= 2."""
+    """Validate a drafter config in its `__post_init__`, before any module is built.
+
+    Raises:
+        ValueError naming the config class and field(s): a field of `minimums` ({field: least
+            value}) below its minimum; draft_vocab_size neither None nor >= 2; a Llama geometry
+            no attention can have (see `check_geometry`).
+    """
     name = type(config).__name__
+    check_geometry(config)
     for field_name, lo in minimums.items():
         value = getattr(config, field_name)
-        if value < lo:
-            raise ValueError(f"{name}.{field_name} must be >= {lo}, got {value}")
-    if config.draft_vocab_size is not None and config.draft_vocab_size < 2:
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name}.{field_name} must be >= {lo}, got {value!r}")
+    if config.draft_vocab_size is not None and (
+            isinstance(config.draft_vocab_size, bool)
+            or not isinstance(config.draft_vocab_size, int) or config.draft_vocab_size < 2):
         raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
                          f"{config.draft_vocab_size}")
+
+
+GEOMETRY_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim")
+
+
+def check_geometry(config) -> None:
+    """The Llama geometry of a drafter config (the `GEOMETRY_FIELDS` it has) must describe an
+    attention: every size >= 1, hidden_size a multiple of num_attention_heads (transformers'
+    LlamaConfig, which builds the drafter's MLP, norms and RoPE, requires it) and
+    num_attention_heads a multiple of num_key_value_heads (grouped-query attention).
+
+    Raises:
+        ValueError naming the config class and the fields (hidden_size, num_attention_heads,
+            num_key_value_heads, head_dim) with their values.
+    """
+    name = type(config).__name__
+    have = {f: getattr(config, f) for f in GEOMETRY_FIELDS if hasattr(config, f)}
+    for f, v in have.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}.{f} must be an integer >= 1, got {v!r}")
+    heads, kv = have.get("num_attention_heads"), have.get("num_key_value_heads")
+    hidden, head_dim = have.get("hidden_size"), have.get("head_dim")
+    if hidden is not None and heads is not None and hidden % heads:
+        near = [h for h in range(heads - 1, 0, -1) if hidden % h == 0][:1] + \
+            [h for h in range(heads + 1, hidden + 1) if hidden % h == 0][:1]
+        raise ValueError(f"{name}: hidden_size {hidden} is not a multiple of "
+                         f"num_attention_heads {heads} (head_dim {head_dim}); e.g. "
+                         f"num_attention_heads {' or '.join(map(str, near))}")
+    if heads is not None and kv is not None and heads % kv:
+        raise ValueError(f"{name}: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {kv} (grouped-query attention)")
 
 
 def feature_layer_problems(config, target_config) -> List[str]:
@@ -167,6 +210,110 @@ def crop_to(cache, length: int) -> None:
 def draw_rows(logits: torch.Tensor, draw) -> tuple:
     """Parallel drafters: draft j is drawn from row j - 1 alone; returns (drafts, logits)."""
     return [draw(row) for row in logits], logits
+
+
+class ConfigKindError(ValueError):
+    """A checkpoint's config.json holds the fields of another drafter kind (`read_config`)."""
+
+
+def _json_type_problem(value, hint) -> Optional[str]:
+    """Why a JSON value does not fit a config field's annotation (int, float, bool, str,
+    list / List[X], dict, Optional[X]), as "an int" etc.; None when it fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        problems = [_json_type_problem(value, a) for a in args]
+        return None if None in problems else " or ".join(p for p in problems if p)
+    if hint is type(None):
+        return None if value is None else "null"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        return (None if isinstance(value, (int, float)) and not isinstance(value, bool)
+                else "a number")
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if hint is list or origin is list:
+        if not isinstance(value, list):
+            return "a list"
+        bad = [_json_type_problem(v, args[0]) for v in value] if args else []
+        return next((f"a list of {p.split(' ', 1)[-1]}s" for p in bad if p), None)
+    if hint is dict or origin is dict:
+        return None if isinstance(value, dict) else "an object"
+    return None
+
+
+def read_safetensors_header(path) -> dict:
+    """{tensor name: {"dtype", "shape", "data_offsets"}} of a safetensors file, read from its
+    header alone (an 8-byte little-endian header length, then that many bytes of JSON), after
+    checking that the file is as long as the header says.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError naming the file: too short for a header, a header that is not safetensors
+            JSON, or a file truncated (or padded) against its header's data offsets.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path.name} is not a safetensors file ({size} bytes, fewer than "
+                             f"its 8-byte header length)")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"{path.name} is truncated or not a safetensors file ({size} "
+                             f"bytes, its first 8 bytes announce a {n}-byte header)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path.name} is not a safetensors file (its header is not JSON: "
+                         f"{err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} is not a safetensors file (its header is not a JSON "
+                         f"object)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = 0
+    for name, entry in tensors.items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(isinstance(o, int) for o in entry["data_offsets"]))
+        if not ok:
+            raise ValueError(f"{path.name} is not a safetensors file (header entry {name!r} "
+                             f"lacks a shape or data offsets)")
+        end = max(end, entry["data_offsets"][1])
+    expected = 8 + n + end
+    if size < expected:
+        raise ValueError(f"{path.name} is truncated ({size} bytes, header says {expected})")
+    if size > expected:
+        raise ValueError(f"{path.name} has {size - expected} bytes past its last tensor "
+                         f"({size} bytes, header says {expected}): not a whole safetensors file")
+    return tensors
+
+
+def weights_problems(expected: dict, header: dict) -> List[str]:
+    """How the tensors of a safetensors header ({name: {"shape": ...}}) differ from the
+    `expected` ({name: shape tuple}, a state_dict's names and shapes): each mismatching shape
+    (file vs config), then the missing and the unexpected tensor names; empty when they match."""
+    problems = []
+    for name, shape in expected.items():
+        if name in header and tuple(header[name]["shape"]) != tuple(shape):
+            problems.append(f"{name} has shape {tuple(header[name]['shape'])} in the file, the "
+                            f"config implies {tuple(shape)}")
+    missing = [k for k in expected if k not in header]
+    if missing:
+        problems.append(f"missing tensor(s) {', '.join(missing[:4])}"
+                        + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                        + f" (the config implies {tuple(expected[missing[0]])} for {missing[0]})")
+    unexpected = [k for k in header if k not in expected]
+    if unexpected:
+        problems.append(f"unexpected tensor(s) {', '.join(unexpected[:4])}"
+                        + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else "")
+                        + " (no place for them in a model of this config)")
+    return problems
 
 
 class Drafter(nn.Module):
@@ -329,12 +476,28 @@ class Drafter(nn.Module):
         ({field: value}, validated like the file's own fields) applied.
 
         Raises:
-            ValueError naming the folder: config.json is not a config of this drafter kind
-                (unknown or missing fields, e.g. a checkpoint of another kind) or holds an
-                invalid value.
+            FileNotFoundError naming the folder: it is not a folder or lacks config.json.
+            ValueError naming the folder, config.json and the field: config.json is not JSON
+                (with the position of the error), is not a config of this drafter kind
+                (unknown or missing fields, e.g. a checkpoint of another kind), holds a value of
+                the wrong JSON type or an invalid value (the config's own validation).
         """
         kind = cls.config_class.__name__
-        raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        folder = Path(folder)
+        path = folder / CONFIG_FILE
+        if not folder.is_dir():
+            raise FileNotFoundError(f"drafter checkpoint {folder}: "
+                                    f"{'not a folder' if folder.exists() else 'no such folder'}")
+        if not path.is_file():
+            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not UTF-8 text "
+                             f"(byte offset {err.start})") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON "
+                             f"({err.msg} at line {err.lineno} column {err.colno})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} must hold a JSON "
                              f"object of {kind} fields")
@@ -350,12 +513,49 @@ class Drafter(nn.Module):
         if unknown or missing:
             parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + (
                 [f"missing field(s) {', '.join(missing)}"] if missing else [])
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not a {kind} "
-                             f"({'; '.join(parts)}): a checkpoint of another drafter kind?")
+            raise ConfigKindError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not a "
+                                  f"{kind} ({'; '.join(parts)}): a checkpoint of another "
+                                  f"drafter kind?")
+        hints = typing.get_type_hints(cls.config_class)
+        for f in fields:
+            if f.name in raw:
+                want = _json_type_problem(raw[f.name], hints.get(f.name, typing.Any))
+                if want:
+                    raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE}: {f.name} "
+                                     f"must be {want}, got {json.dumps(raw[f.name])}")
         try:
             return cls.config_class(**raw)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE}: {err}") from err
+            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE}: {err}") from None
+
+    @classmethod
+    def check_weights(cls, folder, config, sharp=None) -> None:
+        """Check a checkpoint's model.safetensors against `config` before loading it: the file
+        is whole (`read_safetensors_header`) and holds exactly the tensors, with the shapes, of
+        the state_dict of `cls(config)` (built on the meta device: no memory, no weights read).
+
+        Raises:
+            FileNotFoundError naming the folder: no model.safetensors.
+            ValueError naming the folder and the first mismatching tensor with its shape in the
+                file and the shape the config implies, the missing or unexpected tensors, or a
+                truncated / unreadable file.
+        """
+        folder = Path(folder)
+        path = folder / WEIGHTS_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {WEIGHTS_FILE}")
+        try:
+            header = read_safetensors_header(path)
+        except ValueError as err:
+            raise ValueError(f"drafter checkpoint {folder}: {err}") from None
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in cls(config, sharp).state_dict().items()}
+        problems = weights_problems(expected, header)
+        if problems:
+            raise ValueError(f"drafter checkpoint {folder}: {WEIGHTS_FILE} does not match its "
+                             f"{CONFIG_FILE}: {problems[0]}"
+                             + (f" (and {len(problems) - 1} more difference(s))"
+                                if len(problems) > 1 else ""))
 
     @classmethod
     def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None,
@@ -368,22 +568,24 @@ class Drafter(nn.Module):
                 against it (`check_target`) before it is returned.
 
         Raises:
-            FileNotFoundError: `folder` lacks config.json or model.safetensors.
-            ValueError naming the folder: config.json is not of this drafter kind or invalid
-                (`read_config`), the weights do not match it, or the drafter does not fit
-                `target` (naming each mismatching field).
+            FileNotFoundError naming the folder: not a folder, or no config.json or
+                model.safetensors.
+            ValueError naming the folder: config.json is not JSON, not of this drafter kind
+                or invalid (`read_config`), the weights do not match it (`check_weights`, before
+                any weight is read), or the drafter does not fit `target` (naming each
+                mismatching field).
         """
         folder = Path(folder)
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (folder / name).exists():
-                raise FileNotFoundError(f"drafter checkpoint {folder}: missing {name}")
-        model = cls(cls.read_config(folder, overrides), sharp)
+        config = cls.read_config(folder, overrides)
+        cls.check_weights(folder, config, sharp)
+        model = cls(config, sharp)
         try:
             model.load_state_dict(load_file(str(folder / WEIGHTS_FILE),
                                             device=str(device or "cpu")))
-        except RuntimeError as err:
-            raise ValueError(f"drafter checkpoint {folder}: {WEIGHTS_FILE} does not match its "
-                             f"{CONFIG_FILE}: {err}") from err
+        except (RuntimeError, SafetensorError) as err:    # what check_weights cannot see
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"drafter checkpoint {folder}: {WEIGHTS_FILE} cannot be loaded "
+                             f"into its {CONFIG_FILE}'s model: {first}") from err
         if target is not None:
             model.check_target(target, checkpoint=folder)
         return model.eval()

@@ -2,14 +2,13 @@
 untrained one) or a checkpoint folder, with its SharpDraft attention configured."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional, Union
 
 
 from ..attention import SharpConfig
 from . import registry
-from .base import CONFIG_FILE, Drafter
+from .base import CONFIG_FILE, ConfigKindError, Drafter
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_SLOPE = 0.2
@@ -26,24 +25,21 @@ def detect_kind(folder) -> str:
     """The registered kind whose config class reads `folder`'s config.json.
 
     Raises:
-        FileNotFoundError naming the folder: no config.json.
-        ValueError naming the folder: config.json is not JSON, or no kind (or several) reads it.
+        FileNotFoundError naming the folder: not a folder, or no config.json.
+        ValueError naming the folder: config.json is not JSON, has the fields of a kind but an
+            invalid value (that kind's message), or no kind (or several) reads it.
     """
     folder = Path(folder)
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
-    try:
-        json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON ({err})") from None
-    fits = []
+    errors = {}
     for name in registry.names():
         try:
             registry.get(name).cls.read_config(folder)
-        except ValueError:
-            continue
-        fits.append(name)
+        except ValueError as err:
+            errors[name] = err
+    fits = [n for n in registry.names() if n not in errors]
+    own = [e for e in errors.values() if not isinstance(e, ConfigKindError)]
+    if not fits and own:       # the fields of a kind, but a bad value (or not JSON at all)
+        raise own[0]
     if len(fits) != 1:
         what = "no drafter kind" if not fits else f"several kinds ({', '.join(fits)})"
         raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} fits {what}; pass kind= "
@@ -117,7 +113,8 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
             raise ValueError(f"untrained: needs a drafter kind as source, got {name!r}")
         folder = Path(source)
         if not folder.is_dir():
-            raise FileNotFoundError(f"drafter checkpoint {folder}: no such folder (or kind: "
+            what = "not a folder" if folder.exists() else "no such folder"
+            raise FileNotFoundError(f"drafter checkpoint {folder}: {what} (nor a drafter kind: "
                                     f"{', '.join(registry.names())})")
         kind = kind or detect_kind(folder)
         drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)

@@ -149,10 +149,54 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
     return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
 
 
+def check_context(target, prompt_tokens: int, max_new_tokens: int, extra: int = 0,
+                  what: str = "prompt", flag: str = "max_new_tokens") -> int:
+    """Refuse a generation whose prompt + max_new_tokens exceed the target's context (its
+    config's max_position_embeddings; no limit when the config has none): past it, RoPE
+    positions were never trained and decoding degrades. The one context check of the engine,
+    the CLI and the analyses.
+
+    Args:
+        target: a transformers causal LM (only `target.config` is read).
+        prompt_tokens: tokens of the prompt (`what` names it in the message, e.g. "prompt
+            kjv-2048" or "--length").
+        max_new_tokens: tokens to generate (`flag` names it: "max_new_tokens" for a Python
+            caller, "--max-new-tokens" or "--steps" for the command line).
+        extra: rows a verification may add past the committed tokens (drafts); they count
+            toward the cache capacity, not toward the limit.
+
+    Returns:
+        int: the KV-cache capacity the generation needs, prompt_tokens + max_new_tokens + extra.
+
+    Raises:
+        ValueError naming `flag`, the positions needed and the limit, with a value of `flag`
+            that fits (or, when even the prompt alone fills the context, asking to shorten it).
+    """
+    limit = getattr(target.config, "max_position_embeddings", None)
+    needed = prompt_tokens + max_new_tokens
+    if limit is not None and needed > limit:
+        def named(value):
+            return f"{flag} {value}" if flag.startswith("-") else f"{flag}={value}"
+        if max_new_tokens == 0:
+            raise ValueError(f"{what}: {prompt_tokens} tokens exceed the target's context of "
+                             f"{limit} positions (max_position_embeddings)")
+        room = limit - prompt_tokens
+        hint = f"use {named(room)} or less" if room >= 1 else f"shorten the {what}"
+        raise ValueError(f"{named(max_new_tokens)}: the {what} ({prompt_tokens} tokens) plus "
+                         f"{max_new_tokens} new tokens need {needed} positions, more than the "
+                         f"target's context of {limit} (max_position_embeddings); {hint}")
+    return needed + extra
+
+
 def _check(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float,
            extra: int = 0) -> int:
     """Validate the common arguments; returns the cache capacity the generation needs
-    (prompt + max_new_tokens + `extra` rows a verification may add beyond the committed ones)."""
+    (prompt + max_new_tokens + `extra` rows a verification may add beyond the committed ones).
+
+    Raises:
+        ValueError naming the argument: prompt_ids not (1, L >= 1), max_new_tokens < 1, a
+            negative or non-finite temperature, or a context too long (`check_context`).
+    """
     if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 or prompt_ids.shape[1] < 1:
         raise ValueError(f"prompt_ids must have shape (1, L) with L >= 1 (batch size 1), got "
                          f"{tuple(prompt_ids.shape)}")
@@ -160,13 +204,7 @@ def _check(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: f
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    capacity = prompt_ids.shape[1] + max_new_tokens + extra
-    limit = getattr(target.config, "max_position_embeddings", None)
-    if limit is not None and prompt_ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens: the prompt ({prompt_ids.shape[1]} tokens) + "
-                         f"max_new_tokens ({max_new_tokens}) exceed the target's context of "
-                         f"{limit} positions (max_position_embeddings)")
-    return capacity
+    return check_context(target, prompt_ids.shape[1], max_new_tokens, extra)
 
 
 class _Progress:
