@@ -486,8 +486,8 @@ class Drafter(nn.Module):
         folder = Path(folder)
         path = folder / CONFIG_FILE
         if not folder.is_dir():
-            raise FileNotFoundError(f"drafter checkpoint {folder}: "
-                                    f"{'not a folder' if folder.exists() else 'no such folder'}")
+            why = "a file, not a folder" if folder.exists() else "no such folder"
+            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE} ({why})")
         if not path.is_file():
             raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
         try:

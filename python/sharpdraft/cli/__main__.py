@@ -1,0 +1,6 @@
+"""`python -m sharpdraft.cli ...`: the `sharpdraft` command."""
+import sys
+
+from .commands import main
+
+sys.exit(main())
