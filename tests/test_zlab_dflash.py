@@ -9,15 +9,17 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters.base import ConfigKindError
 from sharpdraft.drafters.dflash import DFlashDrafter
-from sharpdraft.drafters.zlab_dflash import (ZLabDFlashConfig, ZLabDFlashDrafter,
-                                             build_target_layer_ids)
+from sharpdraft.drafters.zlab_dflash import (
+    ZLabDFlashConfig,
+    ZLabDFlashDrafter,
+    build_target_layer_ids,
+)
 from sharpdraft.inference.engine import speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HIDDEN, VOCAB, MASK, BLOCK = 64, 256, 5, 4
 
@@ -219,14 +221,14 @@ def test_cache_grown_by_commits_equals_fresh_session(tmp_path, target, prompt):
     with torch.no_grad():
         hs = target(prompt, output_hidden_states=True).hidden_states
     wanted = drafter.hidden_layers
-    rows = lambda a, b: {i: hs[i][:, a:b] for i in wanted}  # noqa: E731
+    rows = lambda a, b: {i: hs[i][:, a:b] for i in wanted}
     session = drafter.start(target, prompt[:, :10], rows(0, 10))
     pos = 10
     for step in (3, 1, 4, 2, 4, 4, 2):       # verification rows [last] + drafts; some accepted
         session.commit(list(range(step)), rows(pos, pos + BLOCK))
         pos += step
     assert pos == 30 and session.length == 30
-    draw = lambda row: int(row.argmax())  # noqa: E731
+    draw = lambda row: int(row.argmax())
     grown = session.propose(int(prompt[0, 30]), 30, draw)[1]
     fresh = drafter.start(target, prompt[:, :30], rows(0, 30)).propose(int(prompt[0, 30]), 30,
                                                                       draw)[1]
@@ -328,6 +330,11 @@ def test_save_round_trip_and_other_layouts(tmp_path, target, prompt):
     # bfloat16 weights load in bfloat16
     write_checkpoint(tmp_path / "bf16", cfg, {k: v.bfloat16() for k, v in sd.items()})
     assert ZLabDFlashDrafter.load(tmp_path / "bf16").fc.weight.dtype == torch.bfloat16
+    # a drafter cast as a whole (load_drafter casts to the target's dtype) keeps float32 RoPE
+    half = ZLabDFlashDrafter.load(folder).to(torch.bfloat16)
+    got, _ = adapter_step(half, tiny_target().to(torch.bfloat16), prompt)  # = target, in bf16
+    assert half.rotary_emb.inv_freq.dtype == torch.float32
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
     # overrides (e.g. a shorter block at inference)
     short = ZLabDFlashDrafter.load(folder, overrides={"block_size": 3})
     assert short.max_drafts == 2
@@ -423,3 +430,20 @@ def test_overrides_are_validated(tmp_path):
     with pytest.raises(ValueError, match="block_size"):
         ZLabDFlashDrafter.load(folder, overrides={"block_size": 1})
     assert dataclasses.replace(ZLabDFlashDrafter.read_config(folder), block_size=6).block_size == 6
+
+
+def test_untrained_hook_and_sharp_config(tmp_path, target):
+    """What registration uses: `untrained(target, tokenizer, layers, block_size, overrides)`
+    and `loading.sharp_config` (n_ref = config.train_context, calibrated sharp_slopes)."""
+    from sharpdraft.drafters.loading import sharp_config
+    from sharpdraft.drafters.zlab_dflash import untrained
+    d = untrained(target, None, 2, 4, {"train_context_length": 512})
+    assert d.config.target_layer_ids == build_target_layer_ids(4, 2)
+    assert d.config.mask_token_id == VOCAB - 1 and d.max_drafts == 3
+    assert sharp_config(d).n_ref == 512 and sharp_config(d, False).mode == "none"
+    d.save(tmp_path / "u")
+    cfg = json.loads((tmp_path / "u" / "config.json").read_text())
+    cfg["sharp_slopes"] = [0.1, 0.3]                     # as `analyze calibrate` writes them
+    (tmp_path / "u" / "config.json").write_text(json.dumps(cfg))
+    back = ZLabDFlashDrafter.load(tmp_path / "u", target=target)
+    assert sharp_config(back).layer_slopes == [0.1, 0.3] and back.config.train_context == 512

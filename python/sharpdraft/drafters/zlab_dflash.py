@@ -43,12 +43,25 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
-from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm,
-                                                      Qwen3RotaryEmbedding, apply_rotary_pos_emb)
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from ..attention import SharpConfig, attend
-from .base import (CONFIG_FILE, WEIGHTS_FILE, ConfigKindError, Drafter, check_geometry,
-                   draw_rows, feature_layer_problems, read_safetensors_header, state_bytes)
+from .base import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ConfigKindError,
+    Drafter,
+    check_geometry,
+    draw_rows,
+    feature_layer_problems,
+    read_safetensors_header,
+    state_bytes,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 INDEX_FILE = "model.safetensors.index.json"
@@ -296,7 +309,7 @@ class ZLabDFlashConfig:
                      "use_sliding_window", "max_window_layers")
         try:   # what the reference code's Qwen3Config makes of these fields
             q = Qwen3Config(**{k: raw[k] for k in qwen_keys if k in raw})
-        except Exception as err:  # noqa: BLE001 - transformers' validators raise their own types
+        except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"{where}: not a valid Qwen3 geometry ({first})") from None
         layer_types = list(raw["layer_types"]) if isinstance(raw.get("layer_types"), list) \
@@ -452,7 +465,14 @@ class ZLabDFlashDrafter(Drafter):
         return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        return self.rotary_emb(x, positions)
+        """(cos, sin) at `positions`, in x's dtype, from float32 inverse frequencies (rebuilt
+        when a cast of the whole drafter, e.g. `.to(torch.bfloat16)`, rounded them, as the
+        reference keeps them in float32)."""
+        rot = self.rotary_emb
+        if rot.inv_freq.dtype != torch.float32 or rot.inv_freq.device != positions.device:
+            self.rotary_emb = rot = Qwen3RotaryEmbedding(self.config.qwen3_config()).to(
+                positions.device)
+        return rot(x, positions)
 
     @torch.no_grad()
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list:
@@ -611,7 +631,7 @@ class ZLabDFlashDrafter(Drafter):
         elif (folder / BIN_FILE).is_file():
             try:
                 state = torch.load(folder / BIN_FILE, map_location="cpu", weights_only=True)
-            except Exception as err:  # noqa: BLE001 - any unpickling failure
+            except Exception as err:
                 raise ValueError(f"drafter checkpoint {folder}: {BIN_FILE} cannot be read with "
                                  f"torch.load(weights_only=True): {err}") from None
             if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
