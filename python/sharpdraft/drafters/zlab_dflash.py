@@ -56,7 +56,6 @@ from .base import (
     WEIGHTS_FILE,
     ConfigKindError,
     Drafter,
-    check_geometry,
     draw_rows,
     feature_layer_problems,
     read_safetensors_header,
@@ -150,13 +149,18 @@ class ZLabDFlashConfig:
                 self.num_hidden_layers) else None
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
-        check_geometry(self)
-        for f, lo in (("num_hidden_layers", 1), ("num_target_layers", 1), ("block_size", 2),
+        for f, lo in (("hidden_size", 1), ("intermediate_size", 1), ("num_attention_heads", 1),
+                      ("num_key_value_heads", 1), ("head_dim", 1), ("num_hidden_layers", 1), ("num_target_layers", 1), ("block_size", 2),
                       ("mask_token_id", 0), ("vocab_size", 1), ("target_hidden_size", 1),
                       ("max_position_embeddings", 1)):
             v = getattr(self, f)
             if not _is_int(v) or v < lo:
                 raise ValueError(f"{name}.{f} must be an integer >= {lo}, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            # (hidden_size need not be heads * head_dim: Qwen3 layers give head_dim apart)
+            raise ValueError(f"{name}: num_attention_heads {self.num_attention_heads} is not a "
+                             f"multiple of num_key_value_heads {self.num_key_value_heads} "
+                             f"(grouped-query attention)")
         ids = self.target_layer_ids
         if (not isinstance(ids, list) or not ids
                 or not all(_is_int(i) and i >= 0 for i in ids)):
@@ -322,7 +326,9 @@ class ZLabDFlashConfig:
         rope = {k: v for k, v in dict(q.rope_parameters).items() if k != "type"}
         return cls(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
                    num_attention_heads=raw["num_attention_heads"],
-                   num_key_value_heads=q.num_key_value_heads, head_dim=q.head_dim,
+                   num_key_value_heads=q.num_key_value_heads,
+                   head_dim=(q.head_dim if q.head_dim is not None
+                             else raw["hidden_size"] // raw["num_attention_heads"]),
                    num_hidden_layers=num_layers, num_target_layers=num_target,
                    mask_token_id=mask, target_layer_ids=list(ids), block_size=block,
                    vocab_size=q.vocab_size, rms_norm_eps=float(q.rms_norm_eps),
@@ -548,7 +554,11 @@ class ZLabDFlashDrafter(Drafter):
         model.safetensors (the public tensor names)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_FILE).write_text(json.dumps(self.config.to_public(), indent=2))
+        cfg = self.config.to_public()
+        for key in ("dtype", "torch_dtype"):      # the dtype the weights are written in
+            if key in cfg:
+                cfg[key] = str(self.fc.weight.dtype).removeprefix("torch.")
+        (folder / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
         save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()},
                   str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
 
@@ -731,6 +741,7 @@ class ZLabDFlashDrafter(Drafter):
                 state = {}
                 for fname in sorted({f for f, _ in shapes.values()}):
                     state.update(load_file(str(folder / fname), device=dev))
+                state = {k: v for k, v in state.items() if k in shapes}  # the index's own
         except (RuntimeError, SafetensorError, OSError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"drafter checkpoint {folder}: the weights cannot be read: "
