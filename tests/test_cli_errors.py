@@ -109,10 +109,6 @@ def _set(**kw):
     return lambda cfg: cfg.update(kw)
 
 
-def _raw(text):
-    return text
-
-
 GENERATE = ["generate", "--prompt", "the lord", "--no-chat-template", "--max-new-tokens", "4",
             "--dtype", "float32", "--threads", "1"]
 
