@@ -1,8 +1,8 @@
 """Corpus generation speed by batch size and prompt length (CPU): the default target, prepared
-as `sharpdraft data generate` prepares it, runs `sharpdraft.data.corpus.generate_batch` on random
-prompts of each length for each batch size, without EOS (every row decodes --new tokens). The
-prefill is timed by a one-token run of the same batch, so decode tokens/s = B (new - 1) /
-(total - prefill). Prints a Markdown table; --json writes the rows.
+as `sharpdraft data generate` prepares it, runs `sharpdraft.inference.batched.generate_batch`
+on random prompts of each length for each batch size, without EOS (every row decodes --new
+tokens). The prefill is timed by a one-token run of the same batch, so decode tokens/s =
+B (new - 1) / (total - prefill). Prints a Markdown table; --json writes the rows.
 
     python benchmarks/corpus_batch_cpu.py --batches 16 64 --lengths 150 700 --threads 2
 """
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from sharpdraft.data import corpus
+from sharpdraft.data.prompts import pad_id
+from sharpdraft.inference.batched import generate_batch
 from sharpdraft.target import loading as models
 from sharpdraft.target.runtime import prepare_target
 
@@ -34,7 +35,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer, _ = models.load_target()
     prepare_target(model)
-    pad = corpus.pad_id(tokenizer)
+    pad = pad_id(tokenizer)
     rng = random.Random(0)
     rows = []
     print("| prompt tokens | batch | prefill s | decode ms / step | decode tok/s | overall tok/s |")
@@ -43,10 +44,10 @@ def main() -> None:
         for b in args.batches:
             prompts = [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(b)]
             t0 = time.perf_counter()
-            corpus.generate_batch(model, prompts, args.new, pad_token_id=pad, eos_token_id=None)
+            generate_batch(model, prompts, args.new, pad_token_id=pad, eos_token_id=None)
             total = time.perf_counter() - t0
             t0 = time.perf_counter()
-            corpus.generate_batch(model, prompts, 1, pad_token_id=pad, eos_token_id=None)
+            generate_batch(model, prompts, 1, pad_token_id=pad, eos_token_id=None)
             prefill = time.perf_counter() - t0
             decode = max(total - prefill, 1e-9)
             row = {"prompt_tokens": length, "batch": b, "prefill_s": round(prefill, 3),

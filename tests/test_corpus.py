@@ -1,6 +1,8 @@
-"""sharpdraft.data.corpus: the prompt set, batched generation, shards, resume and `data generate`
+"""sharpdraft.data.corpus and what it is made with (prompts, code_edits, shards,
+inference.batched): the prompt set, batched generation, shards, resume and `data generate`
 (a tiny random Llama and a word-level tokenizer with a chat template; seconds on CPU)."""
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -12,7 +14,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from sharpdraft.cli import commands as cli
-from sharpdraft.data import corpus, sources as data
+from sharpdraft.data import corpus, prompts as prompt_set, sources as data
+from sharpdraft.inference.sampling import sample_next
+from sharpdraft.target import PreallocatedCache
 from sharpdraft.target.runtime import prepare_target
 from sharpdraft_helpers import tiny_target
 
@@ -64,8 +68,8 @@ def fake_documents(source, split):
 
 @pytest.fixture(autouse=True)
 def short_passages(monkeypatch):
-    monkeypatch.setattr(corpus, "PASSAGE_CHARS", (100, 300))
-    monkeypatch.setattr(corpus, "FUNCTION_CHARS", (50, 2000))
+    monkeypatch.setattr(prompt_set, "PASSAGE_CHARS", (100, 300))
+    monkeypatch.setattr(prompt_set, "FUNCTION_CHARS", (50, 2000))
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +172,48 @@ def test_sampled_batches_are_reproducible_and_differ_from_greedy(target):
     a = corpus.generate_batch(model, prompts, 16, seed=3, **kw)
     assert a == corpus.generate_batch(model, prompts, 16, seed=3, **kw)
     assert a != corpus.generate_batch(model, prompts, 16, pad_token_id=1, eos_token_id=None)
+
+
+def test_sample_next_is_greedy_at_temperature_0_and_draws_inside_the_top_p_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    assert sample_next(logits, 0.0).tolist() == [0, 3]
+    assert sample_next(logits[0], 0.0).dim() == 0                 # a (V,) row: one 0-d id
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, 1.0, 0.7, g) for _ in range(200)])
+    assert set(draws[:, 0].tolist()) == {0, 1} and set(draws[:, 1].tolist()) == {2, 3}
+    # a nucleus larger than the candidates searched first: the full sort, every token reachable
+    wide = torch.stack([sample_next(logits, 1.0, 0.99, g, candidates=1) for _ in range(200)])
+    assert set(wide[:, 0].tolist()) == {0, 1, 2, 3}
+    # top_p 1: the engine's draw, from the whole softmax at the temperature
+    want = torch.multinomial(torch.softmax(logits / 0.5, -1), 1,
+                             generator=torch.Generator().manual_seed(1)).squeeze(-1)
+    assert torch.equal(sample_next(logits, 0.5, generator=torch.Generator().manual_seed(1)), want)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(logits, 1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_next(logits, -1.0)
+
+
+def test_cache_batch_select_indices_keeps_the_chosen_rows_in_order():
+    cache = PreallocatedCache(2, 8)
+    k = torch.arange(3 * 2 * 5 * 4, dtype=torch.float32).reshape(3, 2, 5, 4)
+    for i, layer in enumerate(cache.layers):
+        layer.update(k + i, -k)
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    for i, layer in enumerate(cache.layers):
+        assert layer.get_seq_length() == 5 and layer.get_max_length() == 8
+        torch.testing.assert_close(layer.keys, (k + i)[[2, 0]])
+        torch.testing.assert_close(layer.values, -k[[2, 0]])
+        layer.update(k[:2, :, :1], k[:2, :, :1])                  # still writable, in place
+        assert layer.get_seq_length() == 6
+
+
+def test_target_sha256_is_the_provenances_or_that_of_the_folders_weight_files(tmp_path):
+    for name, content in (("b.safetensors", b"bb"), ("a.safetensors", b"a"), ("w.bin", b"w")):
+        (tmp_path / name).write_bytes(content)
+    assert corpus.target_sha256({"source": str(tmp_path)}) == hashlib.sha256(b"abbw").hexdigest()
+    assert corpus.target_sha256({"source": str(tmp_path), "sha256": "ab"}) == "ab"
+    assert corpus.target_sha256({"source": str(tmp_path / "missing")}) is None
 
 
 def test_plain_text_fallback_without_chat_template():

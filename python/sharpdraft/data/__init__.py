@@ -1,6 +1,7 @@
 """Text for training and evaluation, all installable offline: the document sources and their
 deterministic train / held-out splits (`sources`), and the self-distilled corpus of the
-target's own responses (`corpus`).
+target's own responses (`corpus`: generation and resume), made of prompts (`prompts`, with the
+stdlib source rewriting of `code_edits`) and stored as shards (`shards`: format and reading).
 
 Layer: above `inference` (the corpus is generated with the target); below `training` and `eval`.
 """

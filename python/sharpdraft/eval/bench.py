@@ -10,7 +10,6 @@ tau_vs_context.png.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import math
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from .._hashing import sha256_chunks
 from ..data import sources as data
 from ..inference.engine import (GenerationResult, autoregressive_generate, speculative_generate,
                                 tree_speculative_generate)
@@ -106,12 +106,12 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
 def weights_sha256(module: torch.nn.Module) -> str:
     """Hex sha256 of a module's state (each entry's name, dtype, shape and bytes, in order): which
     weights a benchmark ran, whatever folder they were loaded from."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    def chunks():
+        for name, t in module.state_dict().items():
+            t = t.detach().cpu().contiguous()
+            yield f"{name}:{t.dtype}:{tuple(t.shape)}".encode()
+            yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return sha256_chunks(chunks())
 
 
 def decode(target, drafter, ids: torch.Tensor, max_new_tokens: int, *, tree: bool = False,

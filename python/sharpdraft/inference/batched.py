@@ -1,0 +1,89 @@
+"""Batched target-only decoding: many prompts answered at once, one forward per step for the
+whole batch (the corpus generator's loop; no drafter, no speculation)."""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..target.kv_cache import PreallocatedCache
+from .sampling import sample_next
+
+COMPACT_AT = 0.75     # drop the finished rows once at most this fraction of the batch is live
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, max_new_tokens: int):
+    """(ids (B, W) int64, attention mask (B, W + max_new_tokens) int64) of left-padded prompts:
+    the mask is 1 on each prompt's tokens, 0 on its padding and on the positions to come."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width + max_new_tokens), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):width] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   pad_token_id: int, eos_token_id: Optional[int], temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0) -> List[List[int]]:
+    """The model's responses to a batch of prompts: one forward per step for the whole batch,
+    prompts left-padded with `pad_token_id` (masked out; position ids count real tokens only),
+    keys and values in a `sharpdraft.target.PreallocatedCache` sized for the whole batch, and
+    rows that reached EOS dropped from the batch once a quarter of it has finished.
+
+    Args:
+        model: a transformers causal LM (prepared with `sharpdraft.target.prepare_target` for
+            speed on CPU).
+        prompts: B token-id lists (lengths may differ, each >= 1).
+        max_new_tokens: at most this many tokens per prompt (>= 1).
+        pad_token_id: fills the left padding (never attended to).
+        eos_token_id: a row stops after this token (None: every row runs to max_new_tokens).
+        temperature, top_p: 0 for greedy; else sampling at this temperature with nucleus
+            `top_p` (`sampling.sample_next`), from a torch.Generator seeded with `seed`.
+
+    Returns:
+        B lists of generated ids, each cut after its first `eos_token_id` (kept) or at
+        `max_new_tokens`.
+
+    Raises:
+        ValueError: no prompts, an empty prompt, or max_new_tokens < 1.
+    """
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("prompts: need at least one prompt, each with at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    ids, mask = _left_padded(prompts, pad_token_id, max_new_tokens)
+    ids, mask = ids.to(device), mask.to(device)
+    width = ids.shape[1]
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    cache = PreallocatedCache(model.config.num_hidden_layers, width + max_new_tokens)
+    out: List[List[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))       # the prompt index of each batch row
+    finished = [False] * len(prompts)
+    step_ids, seen = ids, width            # this forward's input ids; positions after it
+    pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    for t in range(max_new_tokens):
+        logits = model(input_ids=step_ids, attention_mask=mask[:, :seen], position_ids=pos,
+                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = sample_next(logits, temperature, top_p, generator)
+        keep = []
+        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
+            if not finished[i]:
+                out[i].append(tok)
+                finished[i] = tok == eos_token_id
+            if not finished[i]:
+                keep.append(r)
+        if not keep or t == max_new_tokens - 1:
+            break
+        if len(keep) <= COMPACT_AT * len(live):      # compact: drop the finished rows
+            rows = torch.tensor(keep, device=device)
+            cache.batch_select_indices(rows)
+            mask, nxt, pos = mask.index_select(0, rows), nxt.index_select(0, rows), pos[rows]
+            live = [live[r] for r in keep]
+        mask[:, seen] = 1
+        seen += 1
+        step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+    return out
