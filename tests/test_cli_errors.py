@@ -255,6 +255,10 @@ PARSER_CASES = [
     (["train", "dflash", "--out", "x", "--threads", "0"], ["--threads", ">= 1"]),
     (["train", "dflash", "--out", "x", "--tokens=-5"], ["--tokens", ">= 1"]),
     (["train", "dflash", "--out", "x", "--lr", "inf"], ["--lr", "finite"]),
+    (["train", "dflash", "--out", "x", "--lr-scale", "0"], ["--lr-scale", "> 0"]),
+    (["train", "dflash", "--out", "x", "--max-minutes", "0"], ["--max-minutes", "> 0"]),
+    (["train", "dflash", "--out", "x", "--position-skip", "2"], ["--position-skip", "[0, 1]"]),
+    (["train", "dflash", "--out", "x", "--warmup=-1"], ["--warmup", ">= 0"]),
     (["train", "eagle3", "--out", "x", "--target", "{fx}/nope"], ["--target"]),
 ]
 

@@ -383,8 +383,12 @@ def validate(top: argparse.ArgumentParser, args) -> None:
         p.error(f"--block-size must be >= 2, got {args.block_size}")
     if getattr(args, "temperature", 0.0) < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
-    if getattr(args, "lr", None) is not None and args.lr <= 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+    for name, ok, what in (("lr", lambda v: v > 0, "> 0"), ("lr_scale", lambda v: v > 0, "> 0"),
+                           ("max_minutes", lambda v: v > 0, "> 0"),
+                           ("position_skip", lambda v: 0 <= v <= 1, "in [0, 1] (a share)")):
+        v = getattr(args, name, None)
+        if v is not None and not ok(v):
+            p.error(f"{_flag(name)} must be {what}, got {v}")
     if args.command == "generate":  # read the text files now: a bad one fails before any work
         args.prompt_text = (args.prompt if args.prompt_file is None
                             else _read_text(p, "--prompt-file", args.prompt_file))
