@@ -40,6 +40,17 @@ def window_start(trained: torch.Tensor, window: int, gen: Optional[torch.Generat
     return lo + int(torch.randint(last - lo + 1, (), generator=gen))
 
 
+def last_windows(features, window: int, least: int):
+    """Yield (seq, W, off) for every sequence of `features` whose last W = min(window, T) rows
+    are more than `least` and hold a trained row; off = T - W (`window_start` without a
+    generator): the held-out windows of the windowed recipes' evaluations."""
+    for s in range(len(features)):
+        seq = features[s]
+        W = min(window, seq["ids"].shape[0])
+        if W > least and bool(seq["trained"][-W:].any()):
+            yield seq, W, window_start(seq["trained"], W)
+
+
 def fused_columns(cached_layers: Sequence[int], chosen: Sequence[int], width: int
                   ) -> torch.Tensor:
     """(len(chosen) * width,) int64 column indices of the `chosen` layers inside features cached

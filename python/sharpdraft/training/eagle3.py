@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .common import draft_guess, drafter_features, fused_columns, window_start
+from .common import draft_guess, drafter_features, fused_columns, last_windows, window_start
 from .losses import decoding_walk, feature_scale, soft_cross_entropy, target_to_draft, trained_ahead
 from .loop import (Plan, Recipe, add_common_arguments, add_position_skip_arguments, check_window,
                    skipped_positions, with_draft_vocab)
@@ -80,13 +80,8 @@ def evaluate(drafter: Eagle3Drafter, target, features, cols: torch.Tensor, windo
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     w = torch.tensor([depth_decay ** d for d in range(K)])
     losses, hits, counts, lead, walks = [], torch.zeros(K), torch.zeros(K), [], []
-    for s in range(len(features)):
-        seq = features[s]
-        W = min(window, seq["ids"].shape[0])
-        if W <= K + 1 or not bool(seq["trained"][-W:].any()):
-            continue
-        per = depth_losses(drafter, target, seq, window_start(seq["trained"], W), W, K, cols,
-                           t2d)
+    for seq, W, off in last_windows(features, window, K + 1):
+        per = depth_losses(drafter, target, seq, off, W, K, cols, t2d)
         losses.append(float((torch.stack([masked_mean(ce, v) for ce, v, _, _ in per]) * w).sum()
                             / w.sum()))
         oks = []

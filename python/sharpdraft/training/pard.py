@@ -25,7 +25,7 @@ import argparse
 import torch
 
 from ..drafters.pard import PARDConfig, PARDDrafter, conditional_keep
-from .common import draft_guess, window_start
+from .common import draft_guess, last_windows, window_start
 from .losses import copy_losses, decoding_walk, soft_cross_entropy, target_to_draft, trained_ahead
 from .loop import Plan, Recipe, add_common_arguments, check_window, with_draft_vocab
 
@@ -85,12 +85,8 @@ def evaluate(drafter: PARDDrafter, target, features, window: int = 256) -> dict:
     k = drafter.config.num_draft_tokens
     t2d = target_to_draft(drafter.d2t, target.get_output_embeddings().weight.shape[0])
     losses, hits, counts, lead, walks = [], torch.zeros(k), torch.zeros(k), [], []
-    for s in range(len(features)):
-        seq = features[s]
-        W = min(window, seq["ids"].shape[0])
-        if W <= k + 1 or not bool(seq["trained"][-W:].any()):
-            continue
-        ids, top_p, top_d, top1, trained = _window(seq, window_start(seq["trained"], W), W, t2d)
+    for seq, W, off in last_windows(features, window, k + 1):
+        ids, top_p, top_d, top1, trained = _window(seq, off, W, t2d)
         keep = torch.ones(k, W, dtype=torch.bool)
         for j in range(k):
             keep[j, :j] = False
