@@ -9,13 +9,13 @@ B (new - 1) / (total - prefill). Prints a Markdown table; --json writes the rows
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
 
 from sharpdraft.data.prompts import pad_id
+from sharpdraft.eval.report import write_json
 from sharpdraft.inference.batched import generate_batch
 from sharpdraft.target import loading as models
 from sharpdraft.target.runtime import prepare_target
@@ -58,8 +58,7 @@ def main() -> None:
             print(f"| {length} | {b} | {row['prefill_s']} | {row['decode_ms_per_step']} | "
                   f"{row['decode_tokens_per_s']} | {row['overall_tokens_per_s']} |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":
