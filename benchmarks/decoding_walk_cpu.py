@@ -33,7 +33,8 @@ from sharpdraft.eval.report import write_report
 from sharpdraft.training.cache import compute_features, trained_rows
 
 # the kinds whose recipe reports the decoding walk (`Recipe.walk_evaluate`)
-WALKED = [n for n in registry.names() if training.recipe(n).RECIPE.walk_evaluate is not None]
+WALKED = [n for n in registry.names() if registry.get(n).trainable
+          and training.recipe(n).RECIPE.walk_evaluate is not None]
 
 
 def sequence(target, ids: torch.Tensor, new_tokens, layer_ids) -> dict:

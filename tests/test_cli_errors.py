@@ -346,15 +346,6 @@ def test_check_context_names_the_flag_and_what_fits():
         check_context(target, 600, 0, what="--length")
 
 
-def test_generate_keeps_the_bench_task_and_passage(fx):
-    from transformers import AutoTokenizer
-
-    from sharpdraft.eval import bench
-    tok = AutoTokenizer.from_pretrained(fx / "target")
-    assert cli.KJV_TASK == bench.KJV_TASK
-    assert cli.kjv_passage(tok, 50) == bench.kjv_passage(tok, 50)
-
-
 def test_generate_runs_without_matplotlib_or_psutil(fx):
     """The CLI imports sharpdraft.eval (plots: matplotlib; adapt: psutil) only in the commands
     that use it."""

@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters.dflash import DFlashDrafter, evenly_spaced_layers
+from sharpdraft.drafters.common import evenly_spaced_layers
+from sharpdraft.drafters.dflash import DFlashDrafter
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 

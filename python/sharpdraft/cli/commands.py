@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from ..data import sources
+from ..data.sources import KJV_TASK, kjv_passage
 from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context
@@ -48,27 +48,9 @@ from ..target.loading import load_target
 from ..target.precision import choose_dtype
 from .parser import DTYPES, leaf, parse, parser
 
-__all__ = ["DTYPES", "KJV_TASK", "build_drafter", "check_context", "cmd_analyze", "cmd_bench",
-           "cmd_data", "cmd_generate", "cmd_train", "default_drafter_path", "describe_error",
-           "kjv_passage", "load_target_for", "main", "parse", "parser", "print_report"]
-
-# The bench's task and its held-out KJV book (sharpdraft.eval.bench.KJV_TASK / KJV_BOOK), here
-# so that `generate` imports no part of eval (whose reports need matplotlib).
-KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
-KJV_BOOK = "Ge"
-
-
-def kjv_passage(tokenizer, n_tokens: int, what: str = "--kjv-context") -> str:
-    """The first `n_tokens` tokens of Genesis (KJV, held out from drafter training) as text.
-
-    Raises:
-        ValueError naming `what`: n_tokens < 1 or beyond the book.
-    """
-    words = tokenizer(sources.kjv_text(KJV_BOOK), add_special_tokens=False).input_ids
-    if not 1 <= n_tokens <= len(words):
-        raise ValueError(f"{what}: {n_tokens} must lie in [1, {len(words)}] (Genesis, tokens)")
-    return tokenizer.decode(words[:n_tokens])
-
+__all__ = ["DTYPES", "build_drafter", "check_context", "cmd_analyze", "cmd_bench", "cmd_data",
+           "cmd_generate", "cmd_train", "default_drafter_path", "describe_error", "load_target_for",
+           "main", "parse", "parser", "print_report"]
 
 def default_drafter_path(args) -> Optional[Path]:
     """The checkpoint --drafter-path names, else the shipped one of --drafter for the default
@@ -341,7 +323,7 @@ def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
     """`sharpdraft analyze sweep`: held-out sequences through the training feature cache (the
     4 evenly spaced target layers every shipped drafter reads), then eval.sweep.run; with
     --decode, eval.long_decode.run (tau by output length in real decoding)."""
-    from ..drafters.dflash import evenly_spaced_layers
+    from ..drafters.common import evenly_spaced_layers
     from ..eval import sweep
     from ..training.cache import cached_features
 

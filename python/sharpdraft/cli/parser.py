@@ -142,11 +142,12 @@ def parser() -> argparse.ArgumentParser:
                         "training conversations, on documents they never saw)")
     b.add_argument("--out", default="bench-results", help="output folder")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
+    trainable = [n for n in registry.names() if registry.get(n).trainable]
     kinds = t.add_subparsers(dest="drafter", required=True,
-                             metavar="{" + ",".join(registry.names()) + "}")
+                             metavar="{" + ",".join(trainable) + "}")
     from .. import training
     leaves = {("generate", None): g, ("bench", None): b}
-    for name in registry.names():
+    for name in trainable:
         kind = registry.get(name)
         leaves["train", name] = kinds.add_parser(
             name, help=f"train a drafter of kind {kind.title} (recipe: "

@@ -267,3 +267,22 @@ def sequences_fingerprint(seqs: Sequence[Sequence[int]]) -> str:
     for s in seqs:
         h = zlib.crc32(bytes(str(list(s)), "ascii"), h)
     return f"{h:08x}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The held-out long-context task of `sharpdraft generate --kjv-context` and `sharpdraft bench`
+# ---------------------------------------------------------------------------------------------
+KJV_BOOK = "Ge"  # Genesis 1:1-50:26, held out from drafter training (KJV_HELD_OUT_BOOKS)
+KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
+
+
+def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
+    """The first `n_tokens` tokens of Genesis (held out from drafter training) as text.
+
+    Raises:
+        ValueError naming `what`: n_tokens < 1 or beyond the book.
+    """
+    words = tokenizer(kjv_text(KJV_BOOK), add_special_tokens=False).input_ids
+    if not 1 <= n_tokens <= len(words):
+        raise ValueError(f"{what}: {n_tokens} must lie in [1, {len(words)}] (Genesis, tokens)")
+    return tokenizer.decode(words[:n_tokens])

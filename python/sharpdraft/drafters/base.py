@@ -334,6 +334,8 @@ class Drafter(nn.Module):
     # Each attention row's softmax is one kernel call (what `analysis.mass` probes); False for
     # a drafter that splits one softmax over several calls merged by log-sum-exp.
     one_softmax_per_call = True
+    # Teacher-forced blocks that online fine-tuning can train on (`eval.adapt.OnlineAdapter`).
+    adapts_online = False
 
     @property
     def hidden_layers(self) -> list:

@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
                    last_keys, llama_config, state_bytes, target_geometry)
-from .common import default_mask_token_id, evenly_spaced_layers  # noqa: F401 (re-exported)
+from .common import evenly_spaced_layers
 
 
 @dataclass

@@ -69,7 +69,7 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
     """A drafter for `target`, in eval mode, in the target's dtype, checked to fit it.
 
     Args:
-        source: a drafter kind (`registry.names()`: dflash, eagle3, pard, longspark), which
+        source: a drafter kind (`registry.names()`: dflash, eagle3, pard, longspark, ...), which
             loads its shipped checkpoint for the default target; or a checkpoint folder
             (config.json + model.safetensors) of kind `kind` (default: detected from its
             config).

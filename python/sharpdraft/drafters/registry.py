@@ -19,6 +19,8 @@ from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
+from .zlab_dflash import ZLabDFlashDrafter
+from .zlab_dflash import untrained as _zlab_dflash
 
 
 @dataclass(frozen=True)
@@ -27,15 +29,21 @@ class DrafterKind:
     untrained(target, tokenizer, layers, block_size, overrides) -> an untrained drafter for that
     target (lossless, tau about 1; `layers` / `block_size` where the kind has them; `overrides`:
     config fields replaced before it is built); recipe: the module
-    of its training recipe (`add_arguments(parser)`, `main(args)`); checkpoint: its shipped
+    of its training recipe (`add_arguments(parser)`, `main(args)`; empty for a public
+    format loaded as it is); checkpoint: its shipped
     checkpoint folder under sharpdraft/checkpoints for the default target."""
 
     name: str
     title: str
     cls: type
     untrained: Callable[..., Drafter]
-    recipe: str
+    recipe: str = ""
     checkpoint: str = ""
+
+    @property
+    def trainable(self) -> bool:
+        """Whether `sharpdraft train <name>` can train it (it has a recipe module)."""
+        return bool(self.recipe)
 
     @property
     def trees(self) -> bool:
@@ -79,6 +87,7 @@ KINDS: Dict[str, DrafterKind] = {k.name: k for k in (
                 checkpoint="pard-smollm2"),
     DrafterKind("longspark", "LongSpark", LongSparkDrafter, _longspark,
                 "sharpdraft.training.longspark", checkpoint="longspark-smollm2"),
+    DrafterKind("zlab-dflash", "DFlash (z-lab public layout)", ZLabDFlashDrafter, _zlab_dflash),
 )}
 
 

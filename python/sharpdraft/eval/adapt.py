@@ -94,7 +94,7 @@ class OnlineAdapter:
         capability `adapts_online` (teacher-forced blocks, `block_logits(target, feats, block,
         anchors)`; DFlash)."""
         cls = drafter if isinstance(drafter, type) else type(drafter)
-        return bool(getattr(cls, "adapts_online", False))
+        return bool(cls.adapts_online)
 
     @property
     def trainable_parameters(self) -> int:

@@ -20,12 +20,11 @@ from tqdm import tqdm
 
 from .._hashing import sha256_chunks
 from ..data import sources as data
+from ..data.sources import KJV_BOOK, KJV_TASK, kjv_passage  # noqa: F401 (the bench's task)
 from ..inference.engine import (GenerationResult, autoregressive_generate, speculative_generate,
                                 tree_speculative_generate)
 from .report import figure, save_figure, write_report
 
-KJV_BOOK = "Ge"  # Genesis 1:1-50:26, held out from drafter training
-KJV_TASK = "Summarise the passage above in three sentences, naming the people involved."
 
 
 def maths_problems(n: int) -> List[str]:
@@ -44,18 +43,6 @@ def maths_problems(n: int) -> List[str]:
                                   ) from None
 
 
-def kjv_passage(tokenizer, n_tokens: int, what: str = "--lengths") -> str:
-    """The first `n_tokens` tokens of Genesis (held out from drafter training) as text.
-
-    Raises:
-        ValueError: n_tokens < 1 or beyond the book (`what` names the argument).
-    """
-    words = tokenizer(data.kjv_text(KJV_BOOK), add_special_tokens=False).input_ids
-    if not 1 <= n_tokens <= len(words):
-        raise ValueError(f"{what}: {n_tokens} must lie in [1, {len(words)}] (Genesis, tokens)")
-    return tokenizer.decode(words[:n_tokens])
-
-
 def corpus_prompts(folder, n: int) -> List[dict]:
     """n first-turn prompts of a corpus's held-out split (`sharpdraft data generate`; its
     documents are never trained on), taken in turn from each prompt source/kind, as
@@ -64,9 +51,9 @@ def corpus_prompts(folder, n: int) -> List[dict]:
     Raises:
         FileNotFoundError: no corpus in `folder`. ValueError: its held-out split is empty.
     """
-    from ..data import corpus
+    from ..data import shards
 
-    held = corpus.load(folder, "heldout")
+    held = shards.load(folder, "heldout")
     groups: Dict[str, List[int]] = {}
     for i, rec in enumerate(held.records):
         if rec["turns"] == 1:

@@ -299,6 +299,32 @@ def _record_step(result: GenerationResult, accepted: List[int], n_drafts: int, c
 
 
 @torch.no_grad()
+def _prefill(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+             generator, progress, max_drafts: int, block_size: Optional[int] = None):
+    """What every speculative loop does first: check the request (`_check`, room for
+    `max_drafts` draft rows), set up the target runtime capturing the drafter's layers, run the
+    prompt, start the drafter's session on its hidden states and commit the first token.
+
+    Returns:
+        (runtime, session, result, tick, start): `result.tokens` holds the first token,
+        `result.prefill_s` its time; `start` is the perf_counter value the run began at.
+    """
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature, max_drafts + 1)
+    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+    prepare_drafter(drafter)
+    tick = _Progress(progress)
+    start = time.perf_counter()
+    runtime.start(capacity)
+    out = runtime.forward(prompt_ids, last_only=True)
+    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
+    result = GenerationResult([_pick(out.logits[-1], temperature, generator)],
+                              prompt_ids.shape[1], 1, 0.0,
+                              block_size=block_size or max_drafts + 1)
+    tick(1)
+    result.prefill_s = time.perf_counter() - start
+    return runtime, session, result, tick, start
+
+
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
                          max_new_tokens: int, *, temperature: float = 0.0,
                          eos_token_id: Optional[int] = None,
@@ -325,21 +351,10 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     """
     if not 0.0 <= draft_threshold <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
-    capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
-    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
-    prepare_drafter(drafter)
-    tick = _Progress(progress)
-    dev = prompt_ids.device
-    start = time.perf_counter()
-    runtime.start(capacity)
-    out = runtime.forward(prompt_ids, last_only=True)
-    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
-    last = _pick(out.logits[-1], temperature, generator)
-    tokens = [last]
-    tick(1)
-    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
-                              block_size=drafter.max_drafts + 1)
-    result.prefill_s = time.perf_counter() - start
+    runtime, session, result, tick, start = _prefill(
+        target, drafter, prompt_ids, max_new_tokens, temperature, generator, progress,
+        drafter.max_drafts)
+    dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length                  # = position of `last`
@@ -428,22 +443,10 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     if not getattr(drafter, "drafts_trees", False):
         raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
                          f"does); use speculative_generate")
-    capacity = _check(target, prompt_ids, max_new_tokens, temperature,
-                      drafter.max_tree_nodes + 1)
-    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
-    prepare_drafter(drafter)
-    tick = _Progress(progress)
-    dev = prompt_ids.device
-    start = time.perf_counter()
-    runtime.start(capacity)
-    out = runtime.forward(prompt_ids, last_only=True)
-    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
-    last = _pick(out.logits[-1], temperature, generator)
-    tokens = [last]
-    tick(1)
-    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0,
-                              block_size=drafter.max_tree_depth + 1)
-    result.prefill_s = time.perf_counter() - start
+    runtime, session, result, tick, start = _prefill(
+        target, drafter, prompt_ids, max_new_tokens, temperature, generator, progress,
+        drafter.max_tree_nodes, block_size=drafter.max_tree_depth + 1)
+    dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length

@@ -18,13 +18,18 @@ def recipe(name: str):
     """The training recipe module of drafter kind `name`.
 
     Raises:
-        ValueError: no such drafter kind.
+        ValueError: no such drafter kind, or a kind without a training recipe (a public format).
     """
     import importlib
 
     from ..drafters import registry
 
-    return importlib.import_module(registry.get(name).recipe)
+    kind = registry.get(name)
+    if not kind.trainable:
+        trainable = [n for n in registry.names() if registry.get(n).trainable]
+        raise ValueError(f"drafter {name!r} has no training recipe; trainable: "
+                         f"{', '.join(trainable)}")
+    return importlib.import_module(kind.recipe)
 
 
 def recipe_of(drafter):

@@ -360,9 +360,9 @@ def corpus_sequences(folder, split: str, tokens: int, max_len: int):
     Raises:
         FileNotFoundError: `folder` holds no corpus, or none of the split.
     """
-    from ..data import corpus
+    from ..data import shards
 
-    c = corpus.load(folder, split)
+    c = shards.load(folder, split)
     if len(c) == 0:
         raise FileNotFoundError(f"{folder}: the corpus has no {split} sequences")
     seqs, trained, by_kind, n = [], [], {}, 0
@@ -375,7 +375,7 @@ def corpus_sequences(folder, split: str, tokens: int, max_len: int):
         kind = f"{rec.get('source')}/{rec.get('kind')}"
         by_kind[kind] = by_kind.get(kind, 0) + int(m.sum())
         n += int(m.sum())
-    manifest = corpus.read_manifest(Path(folder)) or {}
+    manifest = shards.read_manifest(Path(folder)) or {}
     return seqs, trained, {"source": "corpus", "corpus": str(folder), "max_len": max_len,
                            "response_tokens": n, "response_tokens_per_kind": by_kind,
                            "corpus_target_sha256": manifest.get("target", {}).get("sha256")}
