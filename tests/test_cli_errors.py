@@ -167,18 +167,36 @@ def test_shape_mismatch_is_found_before_any_weight_is_read(fx, tmp_path, monkeyp
         registry.get("dflash").cls.load(folder)
 
 
-@pytest.mark.parametrize("kind", registry.names())
-def test_config_geometry_is_checked_before_any_module_is_built(kind):
-    """hidden_size 768 with 9 heads: the config itself refuses, naming the fields."""
+def _untrained_config_fields(kind):
     cfg = registry.get(kind).cls.config_class
-    target = tiny_target()
-    base = registry.build_untrained(kind, target, type("T", (), {
+    base = registry.build_untrained(kind, tiny_target(), type("T", (), {
         "pad_token_id": 0, "unk_token_id": None, "eos_token_id": 1,
         "__len__": lambda self: 256})()).config
-    fields = {f: getattr(base, f) for f in cfg.__dataclass_fields__}
+    return cfg, {f: getattr(base, f) for f in cfg.__dataclass_fields__}
+
+
+# the project's own formats derive head_dim from hidden_size / heads; the public z-lab DFlash
+# layout (Qwen3) sets head_dim on its own, so only the grouped-query ratio binds it
+OWN_FORMATS = [n for n in registry.names() if registry.get(n).trainable]
+
+
+@pytest.mark.parametrize("kind", OWN_FORMATS)
+def test_config_geometry_is_checked_before_any_module_is_built(kind):
+    """hidden_size 768 with 9 heads: the config itself refuses, naming the fields."""
+    cfg, fields = _untrained_config_fields(kind)
     with pytest.raises(ValueError) as exc:
         cfg(**dict(fields, hidden_size=768, num_attention_heads=9))
     for w in ("hidden_size 768", "num_attention_heads 9", "head_dim", cfg.__name__):
+        assert w in str(exc.value)
+
+
+def test_public_dflash_geometry_binds_only_the_gqa_ratio():
+    cfg, fields = _untrained_config_fields("zlab-dflash")
+    ok = cfg(**dict(fields, hidden_size=768, num_attention_heads=9, num_key_value_heads=3))
+    assert (ok.hidden_size, ok.num_attention_heads) == (768, 9)
+    with pytest.raises(ValueError) as exc:
+        cfg(**dict(fields, num_attention_heads=9, num_key_value_heads=2))
+    for w in ("num_attention_heads 9", "num_key_value_heads 2", cfg.__name__):
         assert w in str(exc.value)
 
 

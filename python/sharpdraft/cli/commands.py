@@ -178,21 +178,36 @@ def cmd_generate(args) -> dict:
     return report
 
 
-def cmd_bench(args) -> dict:
-    """`sharpdraft bench`: sharpdraft.eval.bench.run_bench over KJV passages (--lengths), maths
-    problems (--maths) and held-out corpus prompts (--corpus-prompts)."""
-    from ..eval.bench import build_prompts, corpus_prompts, run_bench
+def _bench_prompts(target, tokenizer, args, maths: int) -> list:
+    """The bench's prompts: Genesis passages of --lengths, `maths` champ problems and
+    --corpus-prompts held-out corpus prompts, each checked against the target's context.
 
-    target, tokenizer, provenance = load_target_for(args)
-    prompts = build_prompts(tokenizer, args.lengths, args.maths)
+    Raises:
+        ValueError naming the flag: an unreadable --corpus, no prompt at all, or a prompt that
+            leaves no room for --max-new-tokens.
+    """
+    from ..eval.bench import build_prompts, corpus_prompts
+
+    prompts = build_prompts(tokenizer, args.lengths, maths)
     if args.corpus_prompts:
         try:
             prompts += corpus_prompts(args.corpus, args.corpus_prompts)
         except (FileNotFoundError, ValueError) as err:
             raise ValueError(f"--corpus {args.corpus}: {describe_error(err)}") from err
     if not prompts:
-        raise ValueError("no prompts (--lengths, --maths and --corpus-prompts are all empty)")
+        raise ValueError("no prompts (--lengths" + (", --maths" if maths else "")
+                         + " and --corpus-prompts are all empty)")
     _check_prompts(target, prompts, args.max_new_tokens)
+    return prompts
+
+
+def cmd_bench(args) -> dict:
+    """`sharpdraft bench`: sharpdraft.eval.bench.run_bench over KJV passages (--lengths), maths
+    problems (--maths) and held-out corpus prompts (--corpus-prompts)."""
+    from ..eval.bench import run_bench
+
+    target, tokenizer, provenance = load_target_for(args)
+    prompts = _bench_prompts(target, tokenizer, args, args.maths)
     drafter = build_drafter(target, tokenizer, args)
     variants = {}
     for suffix, d in drafter.sharp_variants().items():     # where SharpDraft may act
@@ -254,20 +269,11 @@ def adapt_command(target, tokenizer, provenance, drafter, args) -> dict:
     """`sharpdraft analyze adapt`: eval.adapt.run on the bench's Genesis prompts (and held-out
     corpus prompts)."""
     from ..eval import adapt
-    from ..eval.bench import build_prompts, corpus_prompts
 
     if not adapt.OnlineAdapter.supports(drafter):
         raise ValueError(f"--drafter {args.drafter}: online adaptation needs a drafter with "
                          f"teacher-forced blocks (DFlash)")
-    prompts = build_prompts(tokenizer, args.lengths, 0)
-    if args.corpus_prompts:
-        try:
-            prompts += corpus_prompts(args.corpus, args.corpus_prompts)
-        except (FileNotFoundError, ValueError) as err:
-            raise ValueError(f"--corpus {args.corpus}: {describe_error(err)}") from err
-    if not prompts:
-        raise ValueError("no prompts (--lengths and --corpus-prompts are empty)")
-    _check_prompts(target, prompts, args.max_new_tokens)
+    prompts = _bench_prompts(target, tokenizer, args, 0)
     rep = adapt.run(target, tokenizer, drafter, prompts, max_new_tokens=args.max_new_tokens,
                     out=args.out, every=args.every, lr=args.lr, lora_ranks=args.lora_ranks,
                     slope=0.2 if args.slope is None else args.slope)

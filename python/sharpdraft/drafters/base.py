@@ -316,6 +316,32 @@ def weights_problems(expected: dict, header: dict) -> List[str]:
     return problems
 
 
+def read_config_json(folder) -> object:
+    """The parsed JSON of a checkpoint folder's config.json (any JSON value; callers check its
+    type).
+
+    Raises:
+        FileNotFoundError naming the folder: it is not a folder or lacks config.json.
+        ValueError naming the folder and config.json: not UTF-8 text, or not JSON (with the
+            position of the error).
+    """
+    folder = Path(folder)
+    path = folder / CONFIG_FILE
+    if not folder.is_dir():
+        why = "a file, not a folder" if folder.exists() else "no such folder"
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE} ({why})")
+    if not path.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not UTF-8 text "
+                         f"(byte offset {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON "
+                         f"({err.msg} at line {err.lineno} column {err.colno})") from None
+
+
 class Drafter(nn.Module):
     """Base class: draft vocabulary (`d2t` buffer), LM head borrowed from the target, save/load."""
 
@@ -486,20 +512,7 @@ class Drafter(nn.Module):
         """
         kind = cls.config_class.__name__
         folder = Path(folder)
-        path = folder / CONFIG_FILE
-        if not folder.is_dir():
-            why = "a file, not a folder" if folder.exists() else "no such folder"
-            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE} ({why})")
-        if not path.is_file():
-            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not UTF-8 text "
-                             f"(byte offset {err.start})") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON "
-                             f"({err.msg} at line {err.lineno} column {err.colno})") from None
+        raw = read_config_json(folder)
         if not isinstance(raw, dict):
             raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} must hold a JSON "
                              f"object of {kind} fields")

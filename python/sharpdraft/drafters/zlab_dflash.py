@@ -57,6 +57,7 @@ from .base import (
     ConfigKindError,
     Drafter,
     draw_rows,
+    read_config_json,
     feature_layer_problems,
     read_safetensors_header,
     state_bytes,
@@ -573,20 +574,7 @@ class ZLabDFlashDrafter(Drafter):
             ValueError naming the folder, config.json and the field.
         """
         folder = Path(folder)
-        path = folder / CONFIG_FILE
-        if not folder.is_dir():
-            raise FileNotFoundError(f"drafter checkpoint {folder}: "
-                                    f"{'not a folder' if folder.exists() else 'no such folder'}")
-        if not path.is_file():
-            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not UTF-8 text "
-                             f"(byte offset {err.start})") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON "
-                             f"({err.msg} at line {err.lineno} column {err.colno})") from None
+        raw = read_config_json(folder)
         where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
         try:
             config = ZLabDFlashConfig.from_public(raw, where)
