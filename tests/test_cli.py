@@ -304,10 +304,12 @@ def test_cli_checks_the_drafter_checkpoint_against_the_target(checkpoint, tmp_pa
                      "--no-chat-template", "--drafter", "eagle3", "--drafter-path", str(folder),
                      "--max-new-tokens", "4"]) == 1
     assert "target_layer_ids" in error_line(capsys)
-    assert cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
-                     "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
-                     "--max-new-tokens", "4"]) == 1
-    assert "DFlashConfig" in error_line(capsys)
+    with pytest.raises(SystemExit) as exc:      # an eagle3 folder named as dflash: refused
+        cli.main(["generate", "--target", str(checkpoint), "--prompt", "the lord",
+                  "--no-chat-template", "--drafter", "dflash", "--drafter-path", str(folder),
+                  "--max-new-tokens", "4"])
+    assert exc.value.code == 2
+    assert "--drafter dflash contradicts" in error_line(capsys)
 
 
 @pytest.mark.parametrize("dtype,identical,noted", [("bfloat16", False, True),
@@ -322,3 +324,21 @@ def test_report_explains_a_bfloat16_divergence(capsys, dtype, identical, noted):
     out = capsys.readouterr().out
     assert ("--dtype float32 gives token-identical output" in out) is noted
     assert "identical to AR: " + str(identical) in out
+
+
+def test_drafter_kind_comes_from_the_checkpoint_and_a_contradiction_is_refused(tmp_path, capsys):
+    """--drafter omitted: the kind is read from --drafter-path's config.json (dflash without
+    a folder); an explicit --drafter of another kind is a one-line error naming both."""
+    from sharpdraft_helpers import tiny_eagle3
+
+    tiny_eagle3(tiny_target()).save(tmp_path / "e")
+    assert cli.parse(["generate", "--drafter-path", str(tmp_path / "e")]).drafter == "eagle3"
+    assert cli.parse(["generate"]).drafter == "dflash"
+    assert cli.parse(["bench", "--drafter", "eagle3", "--drafter-path",
+                      str(tmp_path / "e")]).drafter == "eagle3"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--drafter", "pard", "--drafter-path", str(tmp_path / "e")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--drafter pard contradicts --drafter-path" in err[0]
+    assert "a eagle3 checkpoint" in err[0] and "Traceback" not in err[0]

