@@ -164,7 +164,7 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
             "variants": list(variants), "draft_threshold": draft_threshold,
             "context_window": {label: d.context_window for label, (d, _) in variants.items()},
-            "max_drafts": {label: (d.config.tree_tokens if tree else d.max_drafts)
+            "max_drafts": {label: (d.max_tree_nodes if tree else d.max_drafts)
                            for label, (d, tree) in variants.items()},
             "drafter_sha256": {label: weights_sha256(d) for label, (d, _) in variants.items()}}
     write_report(out_dir, "bench", {"settings": meta, "runs": rows}, markdown_table(rows, meta))
