@@ -64,8 +64,16 @@ def write_report(out_dir, name: str, data: Any = None, markdown: Optional[Text] 
 
 def figure(nrows: int = 1, ncols: int = 1, **kwargs):
     """(fig, axes) of `matplotlib.pyplot.subplots(nrows, ncols, **kwargs)` on the Agg backend,
-    matplotlib imported here (ModuleNotFoundError without it)."""
-    import matplotlib
+    matplotlib imported here.
+
+    Raises:
+        ModuleNotFoundError saying how to install it: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("plots need matplotlib: pip install matplotlib (the "
+                                  "sharpdraft[plot] extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
