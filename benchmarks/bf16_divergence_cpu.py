@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from sharpdraft.cli import commands as cli
+import sharpdraft
 from sharpdraft.eval.bench import corpus_prompts, decode
 from sharpdraft.inference.engine import autoregressive_generate
 
@@ -25,10 +25,8 @@ ap.add_argument("--max-new-tokens", type=int, default=128)
 ap.add_argument("--threads", type=int, default=2)
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
-args = cli.parser().parse_args(["bench", "--drafter", "eagle3", "--dtype", a.dtype,
-                                "--threads", str(a.threads)])
-target, tok, prov = cli.load_target_for(args)
-drafter = cli.build_drafter(target, tok, args)
+target, tok, prov = sharpdraft.load_target(dtype=a.dtype)
+drafter = sharpdraft.load_drafter("eagle3", target)          # shipped, SharpDraft as the CLI
 dtype = next(target.parameters()).dtype
 print(f"target dtype {dtype}")
 for p in corpus_prompts("corpus", a.prompts):

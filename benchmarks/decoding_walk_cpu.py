@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from sharpdraft import training
-from sharpdraft.cli import commands as cli
+import sharpdraft
 from sharpdraft.drafters import registry
 from sharpdraft.eval.bench import corpus_prompts, decode
 from sharpdraft.eval.report import write_report
@@ -60,11 +60,9 @@ def main():
     prompts = None
     rows, summary = [], {}
     for name in args.drafters:
-        # the CLI's own loading path (float32, the shipped checkpoint), frozen: no SharpDraft
-        cargs = cli.parser().parse_args(["generate", "--drafter", name, "--dtype", "float32",
-                                         "--no-sharp"])
-        target, tokenizer, provenance = cli.load_target_for(cargs)
-        drafter = cli.build_drafter(target, tokenizer, cargs)
+        # float32, the shipped checkpoint, frozen: no SharpDraft
+        target, tokenizer, provenance = sharpdraft.load_target(dtype="float32")
+        drafter = sharpdraft.load_drafter(name, target, sharp=False)
         prompts = prompts or corpus_prompts(args.corpus, args.corpus_prompts)
         # the target layers the drafter reads (PARD reads none: one is computed, unused)
         layers = list(getattr(drafter.config, "target_layer_ids", [0]))

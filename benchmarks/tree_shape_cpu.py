@@ -22,7 +22,7 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from sharpdraft.cli import commands as cli
+import sharpdraft
 from sharpdraft.eval.bench import KJV_TASK, corpus_prompts, decode, kjv_passage, warm_up
 from sharpdraft.eval.report import figure, write_report
 from sharpdraft.inference import autoregressive_generate, prompt_ids
@@ -60,32 +60,28 @@ def main():
     p.add_argument("--out", default="benchmarks/results/tree-shape-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    # the CLI's own loading path: the same target, drafter and SharpDraft settings as generate
-    argv = ["generate", "--drafter", "eagle3", "--dtype", args.dtype]
-    argv += ["--drafter-path", args.drafter_path] if args.drafter_path else []
-    cargs = cli.parser().parse_args(argv)
-    target, tokenizer, provenance = cli.load_target_for(cargs)
-    drafter = cli.build_drafter(target, tokenizer, cargs)
-    base = drafter.config
+    # the same target, drafter and SharpDraft settings as `sharpdraft generate`; one drafter
+    # per tree shape (the shape is part of its config)
+    target, tokenizer, provenance = sharpdraft.load_target(dtype=args.dtype)
+    source = args.drafter_path or "eagle3"
+    drafter = sharpdraft.load_drafter(source, target, kind="eagle3")
     prompts = corpus_prompts(args.corpus, args.corpus_prompts)
     if args.kjv_context:
         ids = prompt_ids(tokenizer, KJV_TASK, kjv_passage(tokenizer, args.kjv_context,
                                                                "--kjv-context"), True)
         prompts.append({"name": f"genesis-{args.kjv_context}", "ids": ids})
-    methods = {"chain": (base, False)}
-    methods.update({label(s): (dataclasses.replace(base, **s), True) for s in args.shapes})
-    for config, tree in methods.values():
-        drafter.config = config
-        warm_up(target, drafter, prompts[0]["ids"], tree=tree)
+    methods = {"chain": (drafter, False)}
+    methods.update({label(s): (sharpdraft.load_drafter(source, target, kind="eagle3",
+                                                       overrides=s), True) for s in args.shapes})
+    for d, tree in methods.values():
+        warm_up(target, d, prompts[0]["ids"], tree=tree)
     eos = tokenizer.eos_token_id
     rows = []
     for pr in tqdm(prompts, desc="prompts", unit="prompt"):
         ar = autoregressive_generate(target, pr["ids"], args.max_new_tokens, eos_token_id=eos)
         row = {"name": pr["name"], "prompt_tokens": pr["ids"].shape[1], "ar": ar.summary()}
-        for name, (config, tree) in methods.items():
-            drafter.config = config
-            res = decode(target, drafter, pr["ids"], args.max_new_tokens, tree=tree,
-                         eos_token_id=eos)
+        for name, (d, tree) in methods.items():
+            res = decode(target, d, pr["ids"], args.max_new_tokens, tree=tree, eos_token_id=eos)
             row[name] = {**res.summary(), "identical_to_ar": res.tokens == ar.tokens,
                          "decode_speedup": res.decode_tokens_per_s / ar.decode_tokens_per_s}
         rows.append(row)
@@ -103,7 +99,7 @@ def main():
             "lossless": all(r[name]["identical_to_ar"] for r in rows)}
     meta = {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
             "target": provenance, "drafter_path": args.drafter_path or "shipped eagle3-smollm2",
-            "chain_length": base.chain_length, "sharp": {k: (None if v == float("inf") else v)
+            "chain_length": drafter.max_drafts, "sharp": {k: (None if v == float("inf") else v)
                       for k, v in drafter.sharp.kernel_kwargs().items()},
             "held_out_prompts": len(held)}
     lines = [f"EAGLE-3 on {len(held)} held-out corpus prompts, greedy, {args.max_new_tokens} new "
@@ -123,7 +119,7 @@ def main():
               + " |" for r in rows]
 
     fig, (a1, a2) = figure(1, 2, figsize=(9, 3.6))
-    xs = [1 + (c.chain_length if not t else c.tree_tokens) for c, t in methods.values()]
+    xs = [1 + (d.max_tree_nodes if t else d.max_drafts) for d, t in methods.values()]
     for ax, key, ylab in ((a1, "mean_tau", "mean tau"),
                           (a2, "geomean_decode_speedup", "decode speedup (x)")):
         ax.plot(xs[1:], [summary[k][key] for k in list(methods)[1:]], "o-", label="tree")
@@ -136,7 +132,7 @@ def main():
     fig.suptitle(f"EAGLE-3 tree size on {len(held)} held-out prompts (CPU)")
     write_report(args.out, "tree_shape",
                  {"meta": meta,
-                  "shapes": {k: dataclasses.asdict(c) for k, (c, _) in methods.items()},
+                  "shapes": {k: dataclasses.asdict(d.config) for k, (d, _) in methods.items()},
                   "summary": summary, "rows": rows}, lines, default=str, figure=fig)
     print("\n".join(lines))
 

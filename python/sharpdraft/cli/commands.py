@@ -45,7 +45,6 @@ from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context
 from ..target.loading import load_target
-from ..target.precision import choose_dtype
 from .parser import DTYPES, leaf, parse, parser
 
 __all__ = ["DTYPES", "build_drafter", "check_context", "cmd_analyze", "cmd_bench", "cmd_data",
@@ -85,39 +84,25 @@ def build_drafter(target, tokenizer, args):
     return load_drafter(path, kind=args.drafter, **options)
 
 
-def _load_target(source: Optional[str], dtype: torch.dtype):
-    """`load_target(source, dtype=dtype)`, its errors naming --target.
+def load_target_for(args):
+    """`load_target` with --target and --dtype (`auto` measures float32 against bfloat16 on this
+    CPU and says what it chose on stderr). Returns (target, tokenizer, provenance) with
+    provenance["dtype"] (and, for auto, the measurement).
 
     Raises:
         ValueError naming --target: a target that cannot be loaded (a corrupt .gguf file, a
             folder whose config or weights transformers cannot read), with the reason.
     """
     try:
-        return load_target(source, dtype=dtype)
+        target, tokenizer, provenance = load_target(args.target, dtype=args.dtype)
     except Exception as err:          # whatever the loaders raise: name the flag and the file
-        if isinstance(err, (ImportError, MemoryError)) or source is None:
+        if isinstance(err, (ImportError, MemoryError)) or args.target is None:
             raise
-        raise ValueError(f"--target {source}: cannot load it ({describe_error(err)})") from err
-
-
-def load_target_for(args):
-    """load_target with --target and --dtype; `auto` measures float32 against bfloat16 on this
-    CPU (`sharpdraft.target.choose_dtype`) and says what it chose on stderr. Returns
-    (target, tokenizer, provenance) with provenance["dtype"] (and the measurement).
-
-    Raises:
-        ValueError naming --target: a target that cannot be loaded (`_load_target`).
-    """
-    auto = args.dtype == "auto"
-    target, tokenizer, provenance = _load_target(
-        args.target, torch.float32 if auto else DTYPES[args.dtype])
-    provenance = dict(provenance, dtype=args.dtype)
-    if auto:
-        dtype, ms = choose_dtype(target)
-        target = target.to(dtype)
-        provenance.update(dtype=str(dtype)[6:], dtype_rule_ms=ms)
-        print(f"sharpdraft: --dtype auto chose {str(dtype)[6:]} (largest linear at 1 / 8 rows, "
-              f"ms: {ms})", file=sys.stderr)
+        raise ValueError(f"--target {args.target}: cannot load it ({describe_error(err)})"
+                         ) from err
+    if args.dtype == "auto":
+        print(f"sharpdraft: --dtype auto chose {provenance['dtype']} (largest linear at 1 / 8 "
+              f"rows, ms: {provenance['dtype_rule_ms']})", file=sys.stderr)
     return target, tokenizer, provenance
 
 
@@ -373,7 +358,7 @@ def cmd_data(args) -> dict:
     if device.type == "cuda" and args.dtype == "float32":
         raise ValueError("--device cuda needs --dtype bfloat16 or float16 (the CUDA kernel's "
                          "dtypes)")
-    target, tokenizer, provenance = _load_target(args.target, DTYPES[args.dtype])
+    target, tokenizer, provenance = load_target_for(args)
     prepare_target(target.to(device))
     settings = corpus.Settings(batch=args.batch, max_new_tokens=args.max_new_tokens,
                                seed=args.seed, batches_per_shard=args.batches_per_shard,

@@ -17,12 +17,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 from ..drafters import registry
+from ..target.loading import DTYPES
 
 DEFAULT_DRAFTER = "dflash"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DESCRIPTION = "`sharpdraft` command line: speculative generation on a real target model."
 

