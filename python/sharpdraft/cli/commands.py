@@ -45,7 +45,7 @@ from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context
 from ..target.loading import load_target
-from .parser import DTYPES, leaf, parse, parser
+from .parser import DTYPES, drafter_kind, leaf, parse, parser
 
 __all__ = ["DTYPES", "build_drafter", "check_context", "cmd_analyze", "cmd_bench", "cmd_data",
            "cmd_generate", "cmd_train", "default_drafter_path", "describe_error", "load_target_for",
@@ -70,6 +70,7 @@ def build_drafter(target, tokenizer, args):
         FileNotFoundError / ValueError naming the checkpoint folder and the file or field
             (`load_drafter`: checked before any weight is read).
     """
+    args.drafter = drafter_kind(args.drafter, args.drafter_path)   # when parse was bypassed
     path = default_drafter_path(args)
     shape = {f: getattr(args, f) for f in registry.get(args.drafter).cls.tree_options
              if getattr(args, f, None) is not None}

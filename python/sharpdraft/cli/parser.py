@@ -330,24 +330,37 @@ def _check_target(p: argparse.ArgumentParser, path: Optional[str]) -> None:
         p.error(f"--target {path}: neither a checkpoint folder nor a .gguf file")
 
 
-def _resolve_drafter(p: argparse.ArgumentParser, args) -> None:
-    """--drafter when omitted: the kind of --drafter-path's checkpoint (`detect_kind` on its
-    config.json), else DEFAULT_DRAFTER. An explicit --drafter that contradicts the
-    checkpoint's kind is an error naming both. A config.json no kind reads is left to the
-    loader of --drafter (or the default), which names the file and the field."""
+def drafter_kind(drafter: Optional[str], drafter_path: Optional[str]) -> str:
+    """The drafter kind a command runs: --drafter when given, else the kind of --drafter-path's
+    checkpoint (`detect_kind` on its config.json), else DEFAULT_DRAFTER. A config.json no kind
+    reads is left to the loader of --drafter (or the default), which names the file and field.
+
+    Raises:
+        ValueError naming both flags: an explicit --drafter that contradicts the checkpoint.
+    """
     from ..drafters.loading import detect_kind
 
-    path, detected = args.drafter_path, None
-    if path not in (None, "untrained") and (Path(path) / "config.json").is_file():
+    detected = None
+    if drafter_path not in (None, "untrained") and (Path(drafter_path) / "config.json").is_file():
         try:
-            detected = detect_kind(path)
+            detected = detect_kind(drafter_path)
         except (OSError, ValueError):
             detected = None
-    if args.drafter is None:
-        args.drafter = detected or DEFAULT_DRAFTER
-    elif detected is not None and detected != args.drafter:
-        p.error(f"--drafter {args.drafter} contradicts --drafter-path {path}: its config.json "
-                f"is a {detected} checkpoint (omit --drafter, or pass --drafter {detected})")
+    if drafter is None:
+        return detected or DEFAULT_DRAFTER
+    if detected is not None and detected != drafter:
+        raise ValueError(f"--drafter {drafter} contradicts --drafter-path {drafter_path}: its "
+                         f"config.json is a {detected} checkpoint (omit --drafter, or pass "
+                         f"--drafter {detected})")
+    return drafter
+
+
+def _resolve_drafter(p: argparse.ArgumentParser, args) -> None:
+    """args.drafter = `drafter_kind(...)`, a contradiction as the subcommand's error."""
+    try:
+        args.drafter = drafter_kind(args.drafter, args.drafter_path)
+    except ValueError as err:
+        p.error(str(err))
 
 
 def validate(top: argparse.ArgumentParser, args) -> None:
