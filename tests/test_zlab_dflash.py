@@ -355,9 +355,9 @@ def test_misshapen_tensor(tmp_path, target):
     sd = public_state(cfg)
     sd["layers.1.mlp.up_proj.weight"] = torch.zeros(95, HIDDEN)
     folder, _, _ = write_checkpoint(tmp_path / "ck", cfg, sd)
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor layers\.1\.mlp\.up_proj"
-                                         r"\.weight has shape \(95, 64\), config\.json implies "
-                                         r"\(96, 64\)"):
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match its config\.json: "
+                                         r"layers\.1\.mlp\.up_proj\.weight has shape \(95, 64\) "
+                                         r"in the file, the config implies \(96, 64\)"):
         ZLabDFlashDrafter.load(folder, target=target)
 
 
@@ -366,13 +366,15 @@ def test_missing_and_unexpected_tensors(tmp_path, target):
     sd = public_state(cfg)
     del sd["layers.0.self_attn.k_norm.weight"]
     folder, _, _ = write_checkpoint(tmp_path / "missing", cfg, sd)
-    with pytest.raises(ValueError, match=r"model\.safetensors: missing tensor "
-                                         r"layers\.0\.self_attn\.k_norm\.weight"):
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match its config\.json: "
+                                         r"missing tensor\(s\) layers\.0\.self_attn\.k_norm"
+                                         r"\.weight"):
         ZLabDFlashDrafter.load(folder, target=target)
     sd = dict(public_state(cfg), **{"lm_head.weight": torch.zeros(VOCAB, HIDDEN)})
     folder, _, _ = write_checkpoint(tmp_path / "extra", cfg, sd)
-    with pytest.raises(ValueError, match=r"model\.safetensors: unexpected tensor lm_head\.weight"
-                                         r" \(an own embedding"):
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match its config\.json: "
+                                         r"unexpected tensor\(s\) lm_head\.weight .*; an own "
+                                         r"embedding"):
         ZLabDFlashDrafter.load(folder, target=target)
 
 

@@ -58,6 +58,7 @@ from .base import (
     Drafter,
     draw_rows,
     read_config_json,
+    weights_problems,
     feature_layer_problems,
     read_safetensors_header,
     state_bytes,
@@ -673,28 +674,20 @@ class ZLabDFlashDrafter(Drafter):
 
     @classmethod
     def _check_shapes(cls, folder: Path, config, shapes: dict) -> None:
+        """`check_weights` on `weight_index`'s {name: (file, shape)} (base.weights_problems)."""
         expected = cls.expected_shapes(config)
-        files = sorted({f for f, _ in shapes.values()}) or [WEIGHTS_FILE]
-        where = f"drafter checkpoint {folder}"
-        for name, shape in expected.items():
-            if name in shapes and shapes[name][1] != shape:
-                raise ValueError(f"{where}: {shapes[name][0]}: tensor {name} has shape "
-                                 f"{shapes[name][1]}, {CONFIG_FILE} implies {shape}")
-        missing = [k for k in expected if k not in shapes]
-        if missing:
-            raise ValueError(f"{where}: {', '.join(files)}: missing tensor {missing[0]} "
-                             f"({CONFIG_FILE} implies shape {expected[missing[0]]})"
-                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-        unexpected = [k for k in shapes if k not in expected]
-        if unexpected:
-            own = [k for k in unexpected if any(s in k for s in ("embed_tokens", "lm_head",
-                                                                 "d2t", "t2d"))]
-            hint = ("an own embedding / LM head / draft vocabulary is not supported (the "
-                    "target's are used)" if own else f"no place for it under {CONFIG_FILE}")
-            first = (own or unexpected)[0]
-            raise ValueError(f"{where}: {shapes[first][0]}: unexpected tensor {first} ({hint})"
-                             + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1
-                                else ""))
+        problems = weights_problems(expected, {k: {"shape": list(shape)}
+                                               for k, (_, shape) in shapes.items()})
+        if not problems:
+            return
+        files = ", ".join(sorted({f for f, _ in shapes.values()}) or [WEIGHTS_FILE])
+        own = [k for k in shapes if k not in expected
+               and any(s in k for s in ("embed_tokens", "lm_head", "d2t", "t2d"))]
+        hint = ("; an own embedding / LM head / draft vocabulary is not supported (the "
+                "target's are used)" if own else "")
+        more = f" (and {len(problems) - 1} more difference(s))" if len(problems) > 1 else ""
+        raise ValueError(f"drafter checkpoint {folder}: {files} does not match its "
+                         f"{CONFIG_FILE}: {problems[0]}{hint}{more}")
 
     @classmethod
     def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None,
