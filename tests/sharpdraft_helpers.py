@@ -1,6 +1,7 @@
 """Tiny random models for the engine / drafter / attention tests (seconds on CPU)."""
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from sharpdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 
@@ -12,6 +13,33 @@ def tiny_target(seed: int = 0, vocab: int = 256, **kw) -> LlamaForCausalLM:
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=4, num_attention_heads=4, **kw)
     return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3(seed: int = 0, vocab: int = 256, **kw) -> Qwen3ForCausalLM:
+    """A random 4-layer Qwen3 (q/k RMSNorm per head): hidden 64, 4 query / 2 KV heads, head dim
+    16."""
+    torch.manual_seed(seed)
+    kw = {"num_key_value_heads": 2, "max_position_embeddings": 512, "head_dim": 16, **kw}
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, **kw)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed: int = 0, vocab: int = 256, **kw) -> Qwen2ForCausalLM:
+    """A random 4-layer Qwen2 (q/k/v biases): hidden 64, 4 query / 2 KV heads, head dim 16."""
+    torch.manual_seed(seed)
+    kw = {"num_key_value_heads": 2, "max_position_embeddings": 512, **kw}
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, **kw)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():       # transformers starts biases at 0: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+TARGET_FAMILIES = {"llama": tiny_target, "qwen3": tiny_qwen3, "qwen2": tiny_qwen2}
 
 
 def tiny_drafter(target, seed: int = 1, block_size: int = 4, **kw) -> DFlashDrafter:
