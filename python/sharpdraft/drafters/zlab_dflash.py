@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
@@ -51,22 +49,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..attention import SharpConfig, attend
-from .base import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    ConfigKindError,
-    Drafter,
-    draw_rows,
-    read_config_json,
-    weights_problems,
-    feature_layer_problems,
-    read_safetensors_header,
-    state_bytes,
-)
+from .base import (CONFIG_FILE, ConfigKindError, Drafter, draw_rows, feature_layer_problems,
+                   read_config_json, state_bytes)
+from .public_files import check_tensors, is_int, read_weights, save_folder, weight_index
 
 ARCHITECTURE = "DFlashDraftModel"
-INDEX_FILE = "model.safetensors.index.json"
-BIN_FILE = "pytorch_model.bin"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 DEFAULT_TRAIN_CONTEXT = 2048
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -91,10 +78,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> Lis
         return [num_target_layers // 2]
     span = num_target_layers - 3 - 1
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -147,7 +130,7 @@ class ZLabDFlashConfig:
     def __post_init__(self):
         name = type(self).__name__
         if self.layer_types is None:
-            self.layer_types = [FULL] * self.num_hidden_layers if _is_int(
+            self.layer_types = [FULL] * self.num_hidden_layers if is_int(
                 self.num_hidden_layers) else None
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
@@ -156,7 +139,7 @@ class ZLabDFlashConfig:
                       ("mask_token_id", 0), ("vocab_size", 1), ("target_hidden_size", 1),
                       ("max_position_embeddings", 1)):
             v = getattr(self, f)
-            if not _is_int(v) or v < lo:
+            if not is_int(v) or v < lo:
                 raise ValueError(f"{name}.{f} must be an integer >= {lo}, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             # (hidden_size need not be heads * head_dim: Qwen3 layers give head_dim apart)
@@ -165,7 +148,7 @@ class ZLabDFlashConfig:
                              f"(grouped-query attention)")
         ids = self.target_layer_ids
         if (not isinstance(ids, list) or not ids
-                or not all(_is_int(i) and i >= 0 for i in ids)):
+                or not all(is_int(i) and i >= 0 for i in ids)):
             raise ValueError(f"{name}.target_layer_ids must be a non-empty list of layer ids "
                              f">= 0, got {ids!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -186,7 +169,7 @@ class ZLabDFlashConfig:
             raise ValueError(f"{name}.layer_types must list {self.num_hidden_layers} of "
                              f"{FULL!r} / {SLIDING!r}, got {self.layer_types!r}")
         if SLIDING in self.layer_types:
-            if not _is_int(self.sliding_window) or self.sliding_window < 1:
+            if not is_int(self.sliding_window) or self.sliding_window < 1:
                 raise ValueError(f"{name}.sliding_window must be an integer >= 1 for its "
                                  f"sliding_attention layers, got {self.sliding_window!r}")
             if self.causal is False:
@@ -195,7 +178,7 @@ class ZLabDFlashConfig:
         if self.causal is not None and not isinstance(self.causal, bool):
             raise ValueError(f"{name}.causal must be null, true or false, got {self.causal!r}")
         if self.train_context_length is not None and (
-                not _is_int(self.train_context_length) or self.train_context_length < 1):
+                not is_int(self.train_context_length) or self.train_context_length < 1):
             raise ValueError(f"{name}.train_context_length must be null or an integer >= 1, "
                              f"got {self.train_context_length!r}")
 
@@ -259,7 +242,7 @@ class ZLabDFlashConfig:
             if key not in source:
                 raise ValueError(f"{where}: missing {label}")
             v = source[key]
-            if not _is_int(v):
+            if not is_int(v):
                 raise ValueError(f"{where}: {label} must be an integer, got {json.dumps(v)}")
             return v
 
@@ -278,11 +261,11 @@ class ZLabDFlashConfig:
             raise ValueError(f"{where}: missing dflash_config.mask_token_id")
         if "target_layer_ids" in dflash:
             ids = dflash["target_layer_ids"]
-            if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+            if not isinstance(ids, list) or not all(is_int(i) for i in ids):
                 raise ValueError(f"{where}: dflash_config.target_layer_ids must be a list of "
                                  f"integers, got {json.dumps(ids)}")
             num_target = raw.get("num_target_layers", max(ids, default=0) + 1)
-            if not _is_int(num_target):
+            if not is_int(num_target):
                 raise ValueError(f"{where}: num_target_layers must be an integer, got "
                                  f"{json.dumps(num_target)}")
         else:
@@ -298,7 +281,7 @@ class ZLabDFlashConfig:
             raise ValueError(f"{where}: is_neox_style false (interleaved RoPE) is not supported")
         for key in ("num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
                     "sliding_window", "max_window_layers", "target_hidden_size"):
-            if raw.get(key) is not None and not _is_int(raw[key]):
+            if raw.get(key) is not None and not is_int(raw[key]):
                 raise ValueError(f"{where}: {key} must be an integer, got {json.dumps(raw[key])}")
         for key in ("rms_norm_eps", "rope_theta"):
             if key in raw and (isinstance(raw[key], bool)
@@ -554,15 +537,11 @@ class ZLabDFlashDrafter(Drafter):
     def save(self, folder) -> None:
         """Write the public layout: config.json (`ZLabDFlashConfig.to_public`) and
         model.safetensors (the public tensor names)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_public()
         for key in ("dtype", "torch_dtype"):      # the dtype the weights are written in
             if key in cfg:
                 cfg[key] = str(self.fc.weight.dtype).removeprefix("torch.")
-        (folder / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
-        save_file({k: v.detach().contiguous() for k, v in self.state_dict().items()},
-                  str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_folder(folder, cfg, self.state_dict())
 
     @classmethod
     def read_config(cls, folder, overrides: Optional[dict] = None) -> ZLabDFlashConfig:
@@ -603,63 +582,6 @@ class ZLabDFlashDrafter(Drafter):
             return {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
 
     @classmethod
-    def weight_index(cls, folder) -> tuple:
-        """(kind, {tensor name: (file name, shape)}) of a folder's weights, read from the
-        safetensors headers (model.safetensors, or the shards of model.safetensors.index.json)
-        or, for a pytorch_model.bin, from torch.load(weights_only=True) (returned third).
-
-        Raises:
-            FileNotFoundError naming the folder: none of the three weight files.
-            ValueError naming the folder and file: an unreadable or truncated file, an index
-                naming a tensor its shard lacks.
-        """
-        folder = Path(folder)
-        if (folder / WEIGHTS_FILE).is_file():
-            files = {WEIGHTS_FILE: None}
-        elif (folder / INDEX_FILE).is_file():
-            try:
-                index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
-                weight_map = index["weight_map"]
-                assert isinstance(weight_map, dict)
-            except (ValueError, KeyError, TypeError, AssertionError):
-                raise ValueError(f"drafter checkpoint {folder}: {INDEX_FILE} is not a "
-                                 f"safetensors index (JSON with a weight_map object)") from None
-            files = {}
-            for name, fname in weight_map.items():
-                files.setdefault(fname, []).append(name)
-        elif (folder / BIN_FILE).is_file():
-            try:
-                state = torch.load(folder / BIN_FILE, map_location="cpu", weights_only=True)
-            except Exception as err:
-                raise ValueError(f"drafter checkpoint {folder}: {BIN_FILE} cannot be read with "
-                                 f"torch.load(weights_only=True): {err}") from None
-            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
-                                                      for v in state.values()):
-                raise ValueError(f"drafter checkpoint {folder}: {BIN_FILE} is not a state dict "
-                                 f"of tensors")
-            return "bin", {k: (BIN_FILE, tuple(v.shape)) for k, v in state.items()}, state
-        else:
-            raise FileNotFoundError(f"drafter checkpoint {folder}: missing {WEIGHTS_FILE} "
-                                    f"(nor {INDEX_FILE}, nor {BIN_FILE})")
-        shapes = {}
-        for fname, listed in files.items():
-            path = folder / fname
-            if not path.is_file():
-                raise FileNotFoundError(f"drafter checkpoint {folder}: {INDEX_FILE} names "
-                                        f"{fname}, which is missing")
-            try:
-                header = read_safetensors_header(path)
-            except ValueError as err:
-                raise ValueError(f"drafter checkpoint {folder}: {err}") from None
-            for name in (listed if listed is not None else header):
-                if name not in header:
-                    raise ValueError(f"drafter checkpoint {folder}: {INDEX_FILE} puts tensor "
-                                     f"{name} in {fname}, which lacks it")
-                shapes[name] = (fname, tuple(header[name]["shape"]))
-        return ("safetensors" if len(files) == 1 and WEIGHTS_FILE in files else "sharded"), \
-            shapes, None
-
-    @classmethod
     def check_weights(cls, folder, config, sharp=None) -> None:
         """Check a folder's tensors (names and shapes, from the file headers) against `config`
         before any weight is read (a pytorch_model.bin is unpickled to see them).
@@ -670,24 +592,17 @@ class ZLabDFlashDrafter(Drafter):
                 one config.json implies, a missing tensor, an unexpected tensor (an own
                 embedding, LM head or draft vocabulary is not supported).
         """
-        cls._check_shapes(Path(folder), config, cls.weight_index(folder)[1])
+        cls._check_shapes(Path(folder), config, weight_index(folder)[1])
 
     @classmethod
     def _check_shapes(cls, folder: Path, config, shapes: dict) -> None:
-        """`check_weights` on `weight_index`'s {name: (file, shape)} (base.weights_problems)."""
+        """`check_weights` on `weight_index`'s {name: (file, shape)}."""
         expected = cls.expected_shapes(config)
-        problems = weights_problems(expected, {k: {"shape": list(shape)}
-                                               for k, (_, shape) in shapes.items()})
-        if not problems:
-            return
-        files = ", ".join(sorted({f for f, _ in shapes.values()}) or [WEIGHTS_FILE])
         own = [k for k in shapes if k not in expected
                and any(s in k for s in ("embed_tokens", "lm_head", "d2t", "t2d"))]
-        hint = ("; an own embedding / LM head / draft vocabulary is not supported (the "
-                "target's are used)" if own else "")
-        more = f" (and {len(problems) - 1} more difference(s))" if len(problems) > 1 else ""
-        raise ValueError(f"drafter checkpoint {folder}: {files} does not match its "
-                         f"{CONFIG_FILE}: {problems[0]}{hint}{more}")
+        check_tensors(folder, expected, shapes,
+                      "; an own embedding / LM head / draft vocabulary is not supported (the "
+                      "target's are used)" if own else "")
 
     @classmethod
     def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None,
@@ -712,21 +627,10 @@ class ZLabDFlashDrafter(Drafter):
         if (folder / MASK_EMBEDDING_FILE).exists():
             raise ValueError(f"drafter checkpoint {folder}: {MASK_EMBEDDING_FILE} (a separate "
                              f"mask embedding) is not supported")
-        kind, shapes, state = cls.weight_index(folder)
+        _, shapes, state = weight_index(folder)
         cls._check_shapes(folder, config, shapes)
         dev = str(device or "cpu")
-        try:
-            if kind == "bin":
-                state = {k: v.to(dev) for k, v in state.items()}
-            else:
-                state = {}
-                for fname in sorted({f for f, _ in shapes.values()}):
-                    state.update(load_file(str(folder / fname), device=dev))
-                state = {k: v for k, v in state.items() if k in shapes}  # the index's own
-        except (RuntimeError, SafetensorError, OSError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"drafter checkpoint {folder}: the weights cannot be read: "
-                             f"{first}") from err
+        state = read_weights(folder, shapes, state, dev)
         dtype = state["fc.weight"].dtype
         if not dtype.is_floating_point:
             raise ValueError(f"drafter checkpoint {folder}: fc.weight has dtype {dtype}, not a "

@@ -1,0 +1,157 @@
+"""Checkpoint folders in the public (Hugging Face) layouts: what every public-format adapter reads
+and writes the same way.
+
+A public drafter folder holds config.json and its weights as model.safetensors, as shards listed
+by model.safetensors.index.json ({"weight_map": {tensor name: shard file}}), or as a
+pytorch_model.bin, which is read only with `torch.load(..., weights_only=True)` (tensors, never
+pickled code). Shapes are checked from the safetensors headers before any weight is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .base import CONFIG_FILE, WEIGHTS_FILE, read_safetensors_header, weights_problems
+
+INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+
+
+def weight_index(folder) -> Tuple[str, Dict[str, tuple], Optional[dict]]:
+    """(kind, {tensor name: (file name, shape)}, state) of a folder's weights: kind
+    "safetensors" (model.safetensors), "sharded" (the shards of model.safetensors.index.json)
+    or "bin" (pytorch_model.bin, unpickled with weights_only=True and returned as `state`;
+    None for the others, whose shapes come from their headers alone).
+
+    Raises:
+        FileNotFoundError naming the folder: none of the three weight files, or a shard the
+            index names is missing.
+        ValueError naming the folder and file: an unreadable or truncated file, an index that
+            is not JSON with a weight_map object, or one naming a tensor its shard lacks.
+    """
+    folder = Path(folder)
+    if (folder / WEIGHTS_FILE).is_file():
+        files = {WEIGHTS_FILE: None}
+    elif (folder / INDEX_FILE).is_file():
+        try:
+            index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
+            weight_map = index["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise ValueError(f"drafter checkpoint {folder}: {INDEX_FILE} is not a safetensors "
+                             f"index (JSON with a weight_map object)") from None
+        files = {}
+        for name, fname in weight_map.items():
+            files.setdefault(fname, []).append(name)
+    elif (folder / BIN_FILE).is_file():
+        try:
+            state = torch.load(folder / BIN_FILE, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(f"drafter checkpoint {folder}: {BIN_FILE} cannot be read with "
+                             f"torch.load(weights_only=True): {err}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                                  for v in state.values()):
+            raise ValueError(f"drafter checkpoint {folder}: {BIN_FILE} is not a state dict of "
+                             f"tensors")
+        return "bin", {k: (BIN_FILE, tuple(v.shape)) for k, v in state.items()}, state
+    else:
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {WEIGHTS_FILE} (nor "
+                                f"{INDEX_FILE}, nor {BIN_FILE})")
+    shapes = {}
+    for fname, listed in files.items():
+        path = folder / fname
+        if not path.is_file():
+            raise FileNotFoundError(f"drafter checkpoint {folder}: {INDEX_FILE} names {fname}, "
+                                    f"which is missing")
+        try:
+            header = read_safetensors_header(path)
+        except ValueError as err:
+            raise ValueError(f"drafter checkpoint {folder}: {err}") from None
+        for name in (listed if listed is not None else header):
+            if name not in header:
+                raise ValueError(f"drafter checkpoint {folder}: {INDEX_FILE} puts tensor {name} "
+                                 f"in {fname}, which lacks it")
+            shapes[name] = (fname, tuple(header[name]["shape"]))
+    kind = "safetensors" if len(files) == 1 and WEIGHTS_FILE in files else "sharded"
+    return kind, shapes, None
+
+
+def check_tensors(folder, expected: Dict[str, tuple], shapes: Dict[str, tuple],
+                  hint: str = "") -> None:
+    """Refuse weights whose names or shapes differ from `expected` ({name: shape}, the model the
+    config implies), `shapes` being `weight_index`'s {name: (file, shape)}; `hint` is added to
+    the message (e.g. what an unexpected tensor means for this format).
+
+    Raises:
+        ValueError naming the folder, the file(s), the first difference and how many follow.
+    """
+    problems = weights_problems(expected, {k: {"shape": list(s)} for k, (_, s) in shapes.items()})
+    if not problems:
+        return
+    files = ", ".join(sorted({f for f, _ in shapes.values()}) or [WEIGHTS_FILE])
+    more = f" (and {len(problems) - 1} more difference(s))" if len(problems) > 1 else ""
+    raise ValueError(f"drafter checkpoint {folder}: {files} does not match its {CONFIG_FILE}: "
+                     f"{problems[0]}{hint}{more}")
+
+
+def read_weights(folder, shapes: Dict[str, tuple], state: Optional[dict] = None,
+                 device="cpu") -> Dict[str, torch.Tensor]:
+    """The tensors `shapes` lists (`weight_index`), read from their files onto `device` (or
+    taken from the unpickled `state` of a pytorch_model.bin).
+
+    Raises:
+        ValueError naming the folder: a file that cannot be read.
+    """
+    folder, dev = Path(folder), str(device)
+    try:
+        if state is not None:
+            return {k: v.to(dev) for k, v in state.items() if k in shapes}
+        out = {}
+        for fname in sorted({f for f, _ in shapes.values()}):
+            out.update(load_file(str(folder / fname), device=dev))
+        return {k: v for k, v in out.items() if k in shapes}
+    except (RuntimeError, SafetensorError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"drafter checkpoint {folder}: the weights cannot be read: "
+                         f"{first}") from err
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """`write(temporary path)` next to `path`, then rename it to `path` (never half-written)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_folder(folder, config: dict, state: Dict[str, torch.Tensor],
+                drop: Iterable[str] = (INDEX_FILE, BIN_FILE)) -> Path:
+    """Write config.json and model.safetensors (each to a temporary name, then renamed) into
+    `folder` (created), removing the other weight files `drop` a previous save may have left.
+    Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    _replace_atomically(folder / WEIGHTS_FILE,
+                        lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _replace_atomically(folder / CONFIG_FILE,
+                        lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    for name in drop:
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def is_int(v) -> bool:
+    """An int that is not a bool (JSON integers)."""
+    return isinstance(v, int) and not isinstance(v, bool)
