@@ -9,11 +9,13 @@ The public API:
     out = sharpdraft.generate(target, drafter, "Write a story.", tokenizer=tokenizer)
     print(tokenizer.decode(out.tokens), out.tau)
 
-`SharpConfig` describes the scaling; the kernel itself is `sharpdraft_ext.sharp_attention`.
+`SharpConfig` describes the scaling; the kernel itself is `sharpdraft_ext.sharp_attention`;
+`patch_attention(model, SharpConfig(...))` routes a Hugging Face-style model's attention
+through it.
 """
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from .attention import SharpConfig
+from .attention import SharpConfig, patch_attention
 from .drafters import load_drafter
 from .inference import GenerationResult, generate
 from .target import load_target
@@ -24,4 +26,4 @@ except PackageNotFoundError:        # a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 __all__ = ["GenerationResult", "SharpConfig", "__version__", "generate", "load_drafter",
-           "load_target"]
+           "load_target", "patch_attention"]

@@ -132,7 +132,9 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         module: the attention module; its `config.sharp_config` (a dict, see `set_sharp_config`)
             or a `sharp_config` keyword selects the scaling, default SharpConfig().
         query: (B, Hq, Lq, D); key, value: (B, Hk, Lk, D), Hq % Hk == 0.
-        attention_mask: None or bool, broadcastable to (B, Hq, Lq, Lk), True = visible.
+        attention_mask: None or bool, broadcastable to (B, Hq, Lq, Lk), True = visible; or an
+            additive float mask of 0 (visible) and large negative values (masked), as
+            transformers' eager masks are (`visible_mask`).
         dropout: must be 0 (inference kernel).
         scaling: softmax scale (default 1 / sqrt(D)).
         is_causal: overrides `module.is_causal` when no mask is given.
@@ -142,16 +144,15 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         grad (training) the differentiable reference (same maths, no upcast) computes it.
 
     Raises:
-        ValueError: dropout > 0, a softcap, or a non-boolean attention_mask.
+        ValueError: dropout > 0, a softcap, or a float attention_mask that adds biases
+            (values other than 0 and masking ones).
     """
     if dropout:
         raise ValueError(f"sharp attention: dropout must be 0 (got {dropout}); call model.eval()")
     if kwargs.get("softcap") is not None:
         raise ValueError("sharp attention: softcap is not supported")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        raise ValueError(f"sharp attention: attention_mask must be bool (True = visible), got "
-                         f"{attention_mask.dtype}; load the model with "
-                         f"attn_implementation='sharp' after sharpdraft.attention.register()")
+        attention_mask = visible_mask(attention_mask)
     sharp = kwargs.get("sharp_config") or SharpConfig.from_dict(
         getattr(module.config, "sharp_config", None))
     causal = False
@@ -164,6 +165,26 @@ def sharp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                  module=module, causal=causal, window=window, attn_mask=attention_mask,
                  scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def visible_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The boolean mask (True = visible) of an additive float attention mask whose entries are 0
+    (visible) or masking values (-inf, or below half the dtype's lowest finite value, as
+    transformers' eager masks use torch.finfo(dtype).min).
+
+    Raises:
+        ValueError: another value (an additive bias such as ALiBi's, which sharp attention does
+            not apply).
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise ValueError(f"sharp attention: attention_mask must be bool or float, got {mask.dtype}")
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(((mask == 0) | masked).all()):
+        raise ValueError("sharp attention: attention_mask adds biases (values other than 0 and "
+                         "-inf); only masks that hide keys are supported")
+    return ~masked
 
 
 def sharp_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
@@ -195,3 +216,76 @@ def register(name: str = "sharp") -> None:
 
     AttentionInterface.register(name, sharp_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sharp_mask)
+
+
+class AttentionPatch:
+    """What `patch_attention` changed: `undo()` (or leaving the `with` block) puts every config
+    back as it was."""
+
+    def __init__(self, saved: list):
+        self._saved = saved
+
+    @property
+    def configs(self) -> int:
+        """How many distinct configs were patched."""
+        return len(self._saved)
+
+    def undo(self) -> None:
+        """Restore each patched config's attention implementation and sharp_config (idempotent)."""
+        for config, impl, had, old in reversed(self._saved):
+            config._attn_implementation = impl
+            if had:
+                config.sharp_config = old
+            elif hasattr(config, "sharp_config"):
+                del config.sharp_config
+        self._saved = []
+
+    def __enter__(self) -> "AttentionPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch_attention(model: torch.nn.Module, sharp: Optional[SharpConfig] = None
+                    ) -> AttentionPatch:
+    """Route the attention of a Hugging Face-style module (any nn.Module whose attention layers
+    look their attention function up by `config._attn_implementation`, as transformers models
+    and the public drafters' model files do) through `sharpdraft_ext.sharp_attention`.
+
+    Every distinct config reachable as `.config` of `model` or a submodule is switched to the
+    "sharp" implementation (registered here) and given `sharp` (default SharpConfig(): SharpDraft
+    with slope 0.2, n_ref 2048). Masks are kept: a boolean or additive 0 / -inf mask is passed
+    to the kernel as a boolean mask and each row's cardinality n_i is counted from it; with no
+    mask, a module's `is_causal` (or the call's is_causal) selects causal (bottom-right) or full
+    attention, so a non-causal DFlash block sees n_i = context + block keys per row. Models
+    built with another implementation get the "sharp" mask function for masks built after the
+    patch (transformers builds masks per forward).
+
+    Args:
+        model: the module; its configs are modified in place.
+        sharp: the scaling (mode "none" runs the kernel without scaling).
+
+    Returns:
+        An `AttentionPatch`; `.undo()` (or `with patch_attention(...):`) restores the previous
+        implementation and sharp_config of every config.
+
+    Raises:
+        ValueError naming `model`: no submodule has a config with `_attn_implementation`.
+    """
+    register()
+    sharp = sharp or SharpConfig()
+    saved, seen = [], set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen or not hasattr(config, "_attn_implementation"):
+            continue
+        seen.add(id(config))
+        saved.append((config, config._attn_implementation, hasattr(config, "sharp_config"),
+                      getattr(config, "sharp_config", None)))
+        config._attn_implementation = "sharp"
+        config.sharp_config = dataclasses.asdict(sharp)
+    if not saved:
+        raise ValueError(f"model: no submodule of this {type(model).__name__} has a config with "
+                         f"_attn_implementation (not a Hugging Face-style module)")
+    return AttentionPatch(saved)
