@@ -57,6 +57,6 @@ def test_bad_config_and_mask_are_rejected(pair):
     from sharpdraft.attention import sharp_attention_forward
     sdpa, _ = pair
     q = torch.randn(1, 4, 3, 16)
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(ValueError, match="attention_mask adds biases"):   # ALiBi-like
         sharp_attention_forward(sdpa.model.layers[0].self_attn, q, q[:, :2], q[:, :2],
-                                torch.zeros(1, 1, 3, 3))
+                                torch.full((1, 1, 3, 2), -1.5))
