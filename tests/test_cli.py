@@ -342,3 +342,25 @@ def test_drafter_kind_comes_from_the_checkpoint_and_a_contradiction_is_refused(t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--drafter pard contradicts --drafter-path" in err[0]
     assert "a eagle3 checkpoint" in err[0] and "Traceback" not in err[0]
+
+
+def test_generate_says_where_n_ref_comes_from(checkpoint, tmp_path, capsys):
+    """--n-ref when given; else the training length the checkpoint records; else 2048 (a public
+    DFlash config without one). The report and the printed summary both say which."""
+    from transformers import AutoModelForCausalLM
+    from sharpdraft.drafters.zlab_dflash import untrained
+    from sharpdraft_helpers import tiny_eagle3
+    target = AutoModelForCausalLM.from_pretrained(checkpoint)
+    untrained(target, layers=2, block_size=4).save(tmp_path / "public")
+    tiny_eagle3(target, train_context=96).save(tmp_path / "own")
+    base = ["generate", "--target", str(checkpoint), "--prompt", "the lord", "--no-chat-template",
+            "--max-new-tokens", "3", "--threads", "1"]
+    for folder, extra, want_source, want_n_ref in [
+            ("public", [], "default", 2048), ("public", ["--n-ref", "64"], "given", 64),
+            ("own", [], "checkpoint", 96)]:
+        assert cli.main(base + ["--drafter-path", str(tmp_path / folder), "--json"] + extra) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["n_ref_source"], report["sharp"]["n_ref"]) == (want_source, want_n_ref)
+    assert cli.main(base + ["--drafter-path", str(tmp_path / "public")]) == 0
+    assert "n_ref 2048: the default 2048: the checkpoint records no training length" \
+        in capsys.readouterr().out

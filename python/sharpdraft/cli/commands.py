@@ -42,6 +42,7 @@ import torch
 
 from ..data.sources import KJV_TASK, kjv_passage
 from ..drafters import load_drafter, registry, shipped_checkpoint
+from ..drafters.loading import N_REF_SOURCES
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context
 from ..target.loading import load_target
@@ -148,6 +149,7 @@ def cmd_generate(args) -> dict:
                         for k, v in drafter.sharp.kernel_kwargs().items()},
               "max_drafts": drafter.max_tree_nodes if args.tree else drafter.max_drafts,
               "tree_shape": drafter.tree_shape() if args.tree else None,
+              "n_ref_source": getattr(drafter, "n_ref_source", None),
               "context_window": drafter.context_window,
               "target": provenance}
     if args.compare_ar:
@@ -393,6 +395,11 @@ def print_report(report: dict) -> None:
     print(f"\n{report['new_tokens']} new tokens after a {report['prompt_tokens']}-token prompt; "
           f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
           f"{report['tokens_per_s']:.1f} tok/s")
+    if report.get("n_ref_source"):
+        sharp = report["sharp"]
+        state = (f"SharpDraft on (slope {sharp['slope']:g})" if sharp["mode"] != "none"
+                 else "SharpDraft off (frozen drafter)")
+        print(f"{state}; n_ref {sharp['n_ref']}: {N_REF_SOURCES[report['n_ref_source']]}")
     decode = report.get("decode_tokens_per_s")
     if decode is not None:
         print(f"decode (prefill excluded): {decode:.1f} tok/s; prefill {report['prefill_s']:.2f}"

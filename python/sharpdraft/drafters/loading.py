@@ -60,6 +60,23 @@ def sharp_config(drafter: Drafter, enabled: bool = True, slope: Optional[float] 
                        layer_slopes=calibrated)
 
 
+N_REF_SOURCES = {
+    "given": "given (n_ref= / --n-ref)",
+    "checkpoint": "the drafter's training context length, recorded in its config",
+    "default": f"the default {2048}: the checkpoint records no training length",
+}
+
+
+def n_ref_source(drafter: Drafter, n_ref: Optional[int] = None,
+                 sharp: Union[bool, SharpConfig] = True) -> str:
+    """Where `drafter`'s n_ref comes from (a key of N_REF_SOURCES): "given" (an explicit n_ref
+    or SharpConfig), "checkpoint" (its config records the training length: `train_context`),
+    or "default" (a public checkpoint that records none: 2048)."""
+    if n_ref is not None or isinstance(sharp, SharpConfig):
+        return "given"
+    return "checkpoint" if getattr(drafter.config, "records_train_context", True) else "default"
+
+
 def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None,
                  tokenizer=None, sharp: Union[bool, SharpConfig] = True,
                  slope: Optional[float] = None, n_ref: Optional[int] = None,
@@ -79,7 +96,9 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
         sharp: True = SharpDraft (fixed slope), False = the frozen drafter, or a SharpConfig
             used as given (then `slope` / `n_ref` are ignored).
         slope: SharpDraft slope (default: calibrated per-layer slopes where the checkpoint has
-            them, else 0.2). n_ref: reference cardinality (default: the training context).
+            them, else 0.2). n_ref: reference cardinality (default: the training context the
+            checkpoint records, else 2048; `drafter.n_ref_source` says which, see
+            `n_ref_source`).
         context_window: attend to the last W context positions only (drafters whose class has
             `supports_context_window`).
         overrides: {config field: value} over the checkpoint's config (e.g. `tree_options`).
@@ -126,4 +145,5 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
     drafter.context_window = context_window
     drafter.sharp = sharp if isinstance(sharp, SharpConfig) else sharp_config(
         drafter, bool(sharp), slope, n_ref)
+    drafter.n_ref_source = n_ref_source(drafter, n_ref, sharp)
     return drafter.to(dtype=target.dtype)

@@ -189,6 +189,11 @@ class ZLabDFlashConfig:
         return self.train_context_length or DEFAULT_TRAIN_CONTEXT
 
     @property
+    def records_train_context(self) -> bool:
+        """Whether config.json records the training length (else n_ref defaults to 2048)."""
+        return self.train_context_length is not None
+
+    @property
     def draft_vocab_size(self) -> None:
         """Public DFlash drafters draft over the whole target vocabulary."""
         return None
