@@ -39,7 +39,9 @@ class DFlashConfig:
     whose outputs are concatenated into the context. block_size: b, tokens per draft block
     (1 anchor + b - 1 drafted). mask_token_id: the target-vocabulary token filling the b - 1
     draft slots. train_context: the context length the drafter was trained on (the default n_ref
-    of SharpDraft).
+    of SharpDraft). qk_norm: an RMSNorm over each head's queries and keys before RoPE (Qwen3
+    style), as the public z-lab DFlash drafters have; with qk_norm and no draft vocabulary the
+    drafter is exactly a public DFlash drafter (`ZLabDFlashDrafter.from_drafter`).
     """
 
     hidden_size: int
@@ -60,6 +62,7 @@ class DFlashConfig:
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
                                                            "rope_theta": 10000.0})
+    qk_norm: bool = False
 
     def __post_init__(self):
         check_config(self, {"block_size": 2, "num_layers": 1, "train_context": 1})
@@ -68,7 +71,8 @@ class DFlashConfig:
     def from_target(cls, target_config, *, mask_token_id: int, num_layers: int = 2,
                     block_size: int = 16, num_features: int = 4,
                     train_context: int = 2048,
-                    draft_vocab_size: Optional[int] = None) -> "DFlashConfig":
+                    draft_vocab_size: Optional[int] = None,
+                    qk_norm: bool = False) -> "DFlashConfig":
         """A drafter at the target's width, reading `num_features` evenly spaced target layers.
 
         Args:
@@ -81,7 +85,7 @@ class DFlashConfig:
                    target_layer_ids=evenly_spaced_layers(t.num_hidden_layers, num_features),
                    mask_token_id=int(mask_token_id), num_layers=num_layers,
                    block_size=block_size, train_context=train_context,
-                   draft_vocab_size=draft_vocab_size)
+                   draft_vocab_size=draft_vocab_size, qk_norm=qk_norm)
 
     def llama_config(self) -> LlamaConfig:
         """The transformers LlamaConfig the drafter's layers (MLP, norms, RoPE) are built from."""
@@ -93,15 +97,20 @@ class DFlashAttention(HeadProjections):
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
                 sharp: SharpConfig, attn_mask: Optional[torch.Tensor],
                 window: Optional[int] = None):
-        q = self._heads(self.q_proj(x), self.num_heads)
-        k = self._heads(self.k_proj(x), self.num_kv_heads)
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads))
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = apply_rotary_pos_emb(q, k, *block_rope)
-        kc = self._heads(self.k_proj(ctx), self.num_kv_heads)
+        kc = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads))
         vc = self._heads(self.v_proj(ctx), self.num_kv_heads)
         kc = apply_rotary_pos_emb(kc, kc, *ctx_rope)[0]
         if cache is not None:  # context keys/values only: the block is recomputed every step

@@ -538,6 +538,51 @@ class ZLabDFlashDrafter(Drafter):
                              f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
                              + "; ".join(problems))
 
+    # ----- conversion -------------------------------------------------------------------------
+    @classmethod
+    def from_drafter(cls, drafter, target, tokenizer=None) -> "ZLabDFlashDrafter":
+        """The public DFlash drafter equal to one of the project's `DFlashDrafter`s (same drafts):
+        its config and weights under the public names (the export of `sharpdraft export`).
+
+        Raises:
+            ValueError naming the config field that has no public equivalent: `qk_norm` false
+                (public DFlash layers RMSNorm each head's queries and keys; the norm divides by
+                a per-row RMS, so no weight of a layer without it reproduces it) or a
+                `draft_vocab_size` (public DFlash drafts over the target's whole vocabulary
+                through its LM head: the drafts would differ).
+        """
+        c = drafter.config
+        if not getattr(c, "qk_norm", False):
+            raise ValueError("qk_norm: this DFlash drafter has no q/k RMSNorm, which every public "
+                             "DFlash layer applies (a per-row normalisation no weight can "
+                             "reproduce): retrain it with --qk-norm to export it")
+        if c.draft_vocab_size is not None:
+            raise ValueError(f"draft_vocab_size: this DFlash drafter drafts over "
+                             f"{c.draft_vocab_size} tokens, a public DFlash drafter over the "
+                             f"target's whole vocabulary: retrain it with --draft-vocab 0 to "
+                             f"export it")
+        t = target.config
+        config = ZLabDFlashConfig(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, num_hidden_layers=c.num_layers,
+            num_target_layers=t.num_hidden_layers, mask_token_id=c.mask_token_id,
+            target_layer_ids=list(c.target_layer_ids), block_size=c.block_size,
+            vocab_size=target.get_input_embeddings().weight.shape[0],
+            rms_norm_eps=c.rms_norm_eps, hidden_act=c.hidden_act,
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=dict(c.rope_parameters), target_hidden_size=c.target_hidden_size,
+            train_context_length=c.train_context, sharp_slopes=c.sharp_slopes,
+            extra={"model_type": "qwen3", "torch_dtype": "bfloat16"})
+        dtype = drafter.fc.weight.dtype
+        with torch.device("meta"):
+            public = cls(config, drafter.sharp)
+        public.load_state_dict({k: v.detach().clone() for k, v in drafter.state_dict().items()},
+                               assign=True)
+        public.rotary_emb = Qwen3RotaryEmbedding(config.qwen3_config()).to(
+            drafter.fc.weight.device)
+        return public.to(dtype).eval()
+
     # ----- checkpoints ------------------------------------------------------------------------
     def save(self, folder) -> None:
         """Write the public layout: config.json (`ZLabDFlashConfig.to_public`) and

@@ -131,7 +131,11 @@ def init_from_target(drafter: DFlashDrafter, target, where: str = "early") -> Li
     n = len(drafter.layers)
     chosen = list(range(n)) if where == "early" else list(range(len(layers) - n, len(layers)))
     for mine, idx in zip(drafter.layers, chosen):
-        mine.load_state_dict(layers[idx].state_dict())
+        # a q/k-normed drafter from a target without q/k norms keeps its norms at 1
+        missing, unexpected = mine.load_state_dict(layers[idx].state_dict(), strict=False)
+        if unexpected or any(".q_norm." not in k and ".k_norm." not in k for k in missing):
+            raise ValueError(f"init_from_target: target layer {idx} does not fit drafter layer "
+                             f"(missing {missing}, unexpected {unexpected})")
     drafter.norm.load_state_dict(target.model.norm.state_dict())
     if where == "early":
         h = drafter.config.target_hidden_size
@@ -182,6 +186,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
     p.add_argument("--min-context", type=int, default=32)
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=False,
+                   help="RMSNorm each head's queries and keys (the public z-lab DFlash "
+                        "architecture; with --draft-vocab 0 the drafter exports exactly)")
     add_position_skip_arguments(p, default=0.5)
 
 
@@ -189,7 +196,7 @@ def _build(args, target, tokenizer, train) -> tuple:
     cfg = DFlashConfig.from_target(
         target.config, mask_token_id=default_mask_token_id(tokenizer), num_layers=args.layers,
         block_size=args.block_size, num_features=args.features, train_context=args.seq_len,
-        draft_vocab_size=args.draft_vocab or None)
+        draft_vocab_size=args.draft_vocab or None, qk_norm=args.qk_norm)
     drafter = with_draft_vocab(DFlashDrafter(cfg), target, train["features"])
     init_layers = init_from_target(drafter, target, args.init) if args.init != "random" else None
     return drafter, init_layers
