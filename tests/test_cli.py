@@ -1,4 +1,5 @@
 """`sharpdraft generate` end to end on a tiny local Hugging Face checkpoint (model + tokenizer)."""
+import dataclasses
 import json
 import re
 
@@ -364,3 +365,41 @@ def test_generate_says_where_n_ref_comes_from(checkpoint, tmp_path, capsys):
     assert cli.main(base + ["--drafter-path", str(tmp_path / "public")]) == 0
     assert "n_ref 2048: the default 2048: the checkpoint records no training length" \
         in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "pard"])
+def test_export_writes_the_public_layout_and_checks_it(checkpoint, tmp_path, capsys, kind):
+    """`sharpdraft export` of a drafter in the public architecture: the public kind's folder,
+    read back with drafts equal to the original's (float32: bit for bit); a drafter whose
+    architecture has no public equivalent is a one-line error naming the config field."""
+    from transformers import AutoModelForCausalLM
+    from sharpdraft.drafters.loading import detect_kind
+    from sharpdraft_helpers import tiny_eagle3, tiny_pard
+    target = AutoModelForCausalLM.from_pretrained(checkpoint)
+    if kind == "dflash":
+        from sharpdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+        cfg = DFlashConfig.from_target(target.config, mask_token_id=0, num_layers=2,
+                                       block_size=4, num_features=2)
+        public, private = (DFlashDrafter(dataclasses.replace(cfg, qk_norm=q)) for q in (True, False))
+        field = "qk_norm"
+    elif kind == "eagle3":
+        from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+        public = Eagle3Drafter(Eagle3Config.from_target(      # layer inputs only: ids < L - 1
+            target.config, target_layer_ids=[0, 1, 2], norm_features=False,
+            feed_normed_output=False))
+        private, field = tiny_eagle3(target), "norm_features"
+    else:
+        public, private = tiny_pard(target), tiny_pard(target, draft_vocab_size=8)
+        field = "draft_vocab_size"
+    public.save(tmp_path / "ours")
+    private.save(tmp_path / "private")
+    assert cli.main(["export", "--target", str(checkpoint), "--drafter-path",
+                     str(tmp_path / "ours"), "--out", str(tmp_path / "pub"),
+                     "--dtype", "float32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == registry.get(kind).public == detect_kind(tmp_path / "pub")
+    assert report["probe_same_drafts"] is True and report["probe_max_abs_diff"] < 1e-4
+    assert cli.main(["export", "--target", str(checkpoint), "--drafter-path",
+                     str(tmp_path / "private"), "--out", str(tmp_path / "no")]) == 1
+    assert field in error_line(capsys, "export")
+    assert not (tmp_path / "no" / "config.json").exists()

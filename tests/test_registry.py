@@ -54,4 +54,4 @@ def test_unknown_kind_is_a_clear_error():
 
 
 def test_tree_flag_follows_the_drafter_class():
-    assert [n for n in registry.names() if registry.get(n).trees] == ["eagle3"]
+    assert [n for n in registry.names() if registry.get(n).trees] == ["eagle3", "specforge-eagle3"]

@@ -379,6 +379,24 @@ def cmd_data(args) -> dict:
             "throughput": manifest["throughput"]}
 
 
+def cmd_export(args) -> dict:
+    """`sharpdraft export`: the drafter (--drafter-path, else the shipped checkpoint of
+    --drafter) written in its public layout to --out, read back and checked
+    (`drafters.export.export_drafter`). Returns the report printed as JSON."""
+    from ..drafters.export import export_drafter
+
+    target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
+    path = args.drafter_path or shipped_checkpoint(args.drafter)
+    if path is None:
+        raise ValueError(f"--drafter {args.drafter}: ships no checkpoint for this target; pass "
+                         f"--drafter-path")
+    drafter = load_drafter(path, target, kind=args.drafter, sharp=False)
+    report = export_drafter(drafter, target, args.out, tokenizer=tokenizer,
+                            dtype=getattr(torch, args.dtype))
+    return {"drafter": args.drafter, "from": str(path), **report,
+            "target": provenance.get("source") or provenance.get("folder")}
+
+
 def cmd_train(args) -> None:
     """`sharpdraft train <drafter>`: the drafter kind's training recipe (sharpdraft.training),
     with new tensors created on --device."""
@@ -449,7 +467,7 @@ def describe_error(err: BaseException, limit: int = 600) -> str:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "analyze": cmd_analyze,
-            "data": cmd_data, "train": cmd_train}
+            "data": cmd_data, "train": cmd_train, "export": cmd_export}
 
 
 def main(argv=None) -> int:
@@ -494,7 +512,7 @@ def main(argv=None) -> int:
         hint = "" if isinstance(err, _error_types()) else " (--debug shows the traceback)"
         print(f"{prog}: error: {describe_error(err)}{hint}", file=sys.stderr)
         return 1
-    if args.command in ("data", "analyze"):
+    if args.command in ("data", "analyze", "export"):
         print(json.dumps(report, indent=2))
     elif args.command == "generate":
         if args.json:

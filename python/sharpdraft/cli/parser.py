@@ -142,12 +142,26 @@ def parser() -> argparse.ArgumentParser:
                    help="held-out first-turn prompts of --corpus (prompts like the drafters' "
                         "training conversations, on documents they never saw)")
     b.add_argument("--out", default="bench-results", help="output folder")
+    e = sub.add_parser("export", help="write a drafter in its public layout (z-lab DFlash, "
+                                      "EAGLE-3, PARD) for vLLM and the public code")
+    exportable = [n for n in registry.names() if registry.get(n).public]
+    e.add_argument("--drafter", choices=exportable, default=None,
+                   help="the drafter kind (default: the kind of --drafter-path's checkpoint)")
+    e.add_argument("--drafter-path", default=None,
+                   help="a checkpoint folder of that kind (default: the shipped "
+                        "<drafter>-smollm2 checkpoint for the default target)")
+    e.add_argument("--target", default=None,
+                   help="the target it drafts for (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--out", required=True, help="folder to write (config.json, "
+                                                "model.safetensors)")
+    e.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="dtype of the written weights")
     t = sub.add_parser("train", help="train a drafter on real text (distillation from the target)")
     trainable = [n for n in registry.names() if registry.get(n).trainable]
     kinds = t.add_subparsers(dest="drafter", required=True,
                              metavar="{" + ",".join(trainable) + "}")
     from .. import training
-    leaves = {("generate", None): g, ("bench", None): b}
+    leaves = {("generate", None): g, ("bench", None): b, ("export", None): e}
     for name in trainable:
         kind = registry.get(name)
         leaves["train", name] = kinds.add_parser(
@@ -368,8 +382,15 @@ def validate(top: argparse.ArgumentParser, args) -> None:
     argparse error of the subcommand, exit code 2). Reads --prompt-file / --context-file into
     args.prompt_text / args.context_text."""
     p = leaf(top, args)
-    if hasattr(args, "drafter_path"):   # generate, bench, analyze: --drafter is an option
+    if args.command == "export" and args.drafter is None and args.drafter_path is None:
+        p.error("--drafter (one of " + ", ".join(n for n in registry.names()
+                                                 if registry.get(n).public)
+                + ") or --drafter-path is needed")
+    if hasattr(args, "drafter_path"):   # generate, bench, analyze, export: --drafter an option
         _resolve_drafter(p, args)
+        if args.command == "export" and not registry.get(args.drafter).public:
+            p.error(f"--drafter-path {args.drafter_path}: a {args.drafter} checkpoint, which "
+                    f"has no public format to export to")
     for action in p._actions:           # every number flag: finite, and integers >= 0
         values = getattr(args, action.dest, None)
         if action.type not in (int, float) or values is None:

@@ -363,6 +363,21 @@ class Drafter(nn.Module):
     # Teacher-forced blocks that online fine-tuning can train on (`eval.adapt.OnlineAdapter`).
     adapts_online = False
 
+    def _apply(self, fn, recurse=True):
+        """`nn.Module._apply` (what .to / .half / .cuda run), keeping RoPE's inverse frequencies
+        (buffers named *inv_freq) in float32: the reference implementations compute the angles
+        in float32, and a bfloat16 inv_freq is off by up to 0.4%, radians at long positions."""
+        kept = {name: buf for name, buf in self.named_buffers()
+                if name.endswith("inv_freq") and buf.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, buf in kept.items():
+            owner, _, attr = name.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            now = module._buffers[attr]
+            if now.dtype != torch.float32 and now.device.type != "meta":
+                module._buffers[attr] = buf.to(now.device)
+        return self
+
     @property
     def hidden_layers(self) -> list:
         """Indices of the target hidden states the drafter reads, numbered as transformers'

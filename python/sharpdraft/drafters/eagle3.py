@@ -151,6 +151,11 @@ class Eagle3Drafter(Drafter):
             x = torch.cat([norm(p) for norm, p in zip(self.feature_norms, parts)], dim=-1)
         return self.fc(x)
 
+    def token_embeddings(self, target) -> nn.Module:
+        """The embedding table the drafter reads tokens through: the target's, shared (a
+        subclass with its own table, e.g. a public checkpoint's embed_tokens, returns that)."""
+        return target.get_input_embeddings()
+
     def _layer_in(self, embeds, hidden):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
 
@@ -210,7 +215,7 @@ class Eagle3Drafter(Drafter):
         T = ids.shape[0]
         if steps < 1 or steps > T - 1:
             raise ValueError(f"steps must lie in [1, {T - 1}], got {steps}")
-        emb = target.get_input_embeddings()
+        emb = self.token_embeddings(target)
         n0 = T - 1                                       # row t needs x_{t+1}
         pos = (torch.arange(n0, device=ids.device) if positions is None
                else positions[:n0].to(ids.device))[None]
@@ -337,7 +342,7 @@ class Eagle3Session:
         self.pending = features                 # (1, P - c, n * Ht) for positions c .. P - 1
         self.cache = DynamicCache()
         self.last = None
-        self.emb = target.get_input_embeddings()
+        self.emb = drafter.token_embeddings(target)
 
     def _root(self, last: int, position: int):
         """Run the pending rows (the last one pairs g_{P-1} with `last`); returns the output of

@@ -127,8 +127,11 @@ def _replace_atomically(path: Path, write) -> None:
     """`write(temporary path)` next to `path`, then rename it to `path` (never half-written)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)         # as an ordinary new file (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -13,12 +13,16 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .amd_pard import AMDPARDDrafter
+from .amd_pard import untrained as _amd_pard
 from .base import Drafter
 from .common import default_mask_token_id
 from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
+from .specforge_eagle3 import SpecForgeEagle3Drafter
+from .specforge_eagle3 import untrained as _specforge_eagle3
 from .zlab_dflash import ZLabDFlashDrafter
 from .zlab_dflash import untrained as _zlab_dflash
 
@@ -31,7 +35,9 @@ class DrafterKind:
     config fields replaced before it is built); recipe: the module
     of its training recipe (`add_arguments(parser)`, `main(args)`; empty for a public
     format loaded as it is); checkpoint: its shipped
-    checkpoint folder under sharpdraft/checkpoints for the default target."""
+    checkpoint folder under sharpdraft/checkpoints for the default target; public: the kind of
+    the public format it exports to (`drafters.export`; empty: none), whose class has
+    `from_drafter(drafter, target, tokenizer=None)`."""
 
     name: str
     title: str
@@ -39,6 +45,7 @@ class DrafterKind:
     untrained: Callable[..., Drafter]
     recipe: str = ""
     checkpoint: str = ""
+    public: str = ""
 
     @property
     def trainable(self) -> bool:
@@ -80,14 +87,17 @@ def _longspark(target, tokenizer, layers: int, block_size: int, overrides: dict)
 
 KINDS: Dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("dflash", "DFlash", DFlashDrafter, _dflash, "sharpdraft.training.dflash",
-                checkpoint="dflash-smollm2"),
+                checkpoint="dflash-smollm2", public="zlab-dflash"),
     DrafterKind("eagle3", "EAGLE-3", Eagle3Drafter, _eagle3, "sharpdraft.training.eagle3",
-                checkpoint="eagle3-smollm2"),
+                checkpoint="eagle3-smollm2", public="specforge-eagle3"),
     DrafterKind("pard", "PARD", PARDDrafter, _pard, "sharpdraft.training.pard",
-                checkpoint="pard-smollm2"),
+                checkpoint="pard-smollm2", public="amd-pard"),
     DrafterKind("longspark", "LongSpark", LongSparkDrafter, _longspark,
                 "sharpdraft.training.longspark", checkpoint="longspark-smollm2"),
     DrafterKind("zlab-dflash", "DFlash (z-lab public layout)", ZLabDFlashDrafter, _zlab_dflash),
+    DrafterKind("specforge-eagle3", "EAGLE-3 (SafeAILab / SpecForge public layout)",
+                SpecForgeEagle3Drafter, _specforge_eagle3),
+    DrafterKind("amd-pard", "PARD (AMD public layout)", AMDPARDDrafter, _amd_pard),
 )}
 
 
