@@ -56,6 +56,21 @@ def target_geometry(target_config) -> dict:
                 rope_parameters=dict(t.rope_parameters))
 
 
+def require_llama_layers(target, kind: str) -> None:
+    """Refuse to start a drafter of `kind` from the target's decoder layers unless they are Llama
+    layers (no q/k norms, no biases), the only ones its modules reproduce.
+
+    Raises:
+        ValueError naming the target's model_type and what to use instead.
+    """
+    model_type = getattr(target.config, "model_type", None)
+    if model_type not in ("llama", None):
+        raise ValueError(f"target model_type {model_type!r}: the {kind} drafter starts from the "
+                         f"target's Llama decoder layers, and this target's differ (q/k norms or "
+                         f"biases); use a Llama-family target, or a public drafter format (the "
+                         f"public kinds take any Llama, Qwen2 or Qwen3 target)")
+
+
 def llama_config(config, num_layers: int) -> LlamaConfig:
     """The transformers LlamaConfig a drafter's layers (MLP, norms, RoPE) are built from: the
     geometry fields of a drafter config (see `target_geometry`) and `num_layers` layers."""

@@ -48,7 +48,7 @@ import sharpdraft_ext as ext
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, feature_layer_problems, llama_config,
-                   state_bytes, target_geometry)
+                   require_llama_layers, state_bytes, target_geometry)
 from .common import evenly_spaced_layers
 
 SCOPES = ("summary", "slots")
@@ -264,6 +264,7 @@ class LongSparkDrafter(Drafter):
         layer l(j) (its queries then already match that layer's cached keys), the mask slot =
         the target's embedding of `mask_token_id`, and the fused boundary state scaled to the
         token embeddings' RMS (so it neither drowns nor vanishes next to them)."""
+        require_llama_layers(target, "LongSpark")
         layers = target.model.layers
         for mine, idx in zip(self.layers, self.config.cache_layers):
             mine.load_state_dict(layers[idx].state_dict())

@@ -31,8 +31,8 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
                                                       LlamaRotaryEmbedding)
 
 from ..attention import SharpConfig, register
-from .base import (Drafter, check_config, crop_to, draw_rows, llama_config, state_bytes,
-                   target_geometry, window_mask)
+from .base import (Drafter, check_config, crop_to, draw_rows, llama_config,
+                   require_llama_layers, state_bytes, target_geometry, window_mask)
 
 
 @dataclass
@@ -145,6 +145,7 @@ class PARDDrafter(Drafter):
     def init_from_target(self, target) -> List[int]:
         """Copy the target's first layers, final norm, and the mean token embedding as the mask
         embedding; returns the copied layer indices."""
+        require_llama_layers(target, "PARD")
         chosen = list(range(self.config.num_layers))
         for mine, idx in zip(self.layers, chosen):
             mine.load_state_dict(target.model.layers[idx].state_dict())
