@@ -387,7 +387,7 @@ def test_export_writes_the_public_layout_and_checks_it(checkpoint, tmp_path, cap
         public = Eagle3Drafter(Eagle3Config.from_target(      # layer inputs only: ids < L - 1
             target.config, target_layer_ids=[0, 1, 2], norm_features=False,
             feed_normed_output=False))
-        private, field = tiny_eagle3(target), "norm_features"
+        private, field = tiny_eagle3(target, norm_features=True), "norm_features"
     else:
         public, private = tiny_pard(target), tiny_pard(target, draft_vocab_size=8)
         field = "draft_vocab_size"

@@ -9,8 +9,9 @@ reduced draft vocabulary (`d2t`, the most frequent target tokens of the training
 
 Drafting past the committed text: the output of row t replaces the target feature as the
 hidden input of the next row (position t + 1, with the drafted token), so a chain of d drafts
-costs d single-row forwards. EAGLE 3.1 options (both on by default): an RMSNorm on each fused
-feature before ``fc`` (`norm_features`), and feeding the normalised output forward
+costs d single-row forwards. EAGLE 3.1 options (both off by default, which is the public
+EAGLE-3 architecture that vLLM and SGLang serve and `sharpdraft export` writes): an RMSNorm on
+each fused feature before ``fc`` (`norm_features`), and feeding the normalised output forward
 (`feed_normed_output`). Attention is causal over the drafter's own KV cache, through
 `sharpdraft_ext.sharp_attention`: a chain row at position t sees n_i = t + 1 keys; a tree row
 sees the committed rows plus its ancestors, passed as attn_mask, so n_i = position + 1 too.
@@ -59,8 +60,8 @@ class Eagle3Config:
     train_context: int = 1024
     sharp_slopes: Optional[list] = None   # calibrated per layer (analyze calibrate)
     draft_vocab_size: Optional[int] = None
-    norm_features: bool = True
-    feed_normed_output: bool = True
+    norm_features: bool = False
+    feed_normed_output: bool = False
     chain_length: int = 5
     tree_topk: int = 4
     tree_depth: int = 5
