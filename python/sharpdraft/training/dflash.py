@@ -171,8 +171,10 @@ def anchor_leads(drafter: DFlashDrafter, target, seq: dict, anchors: torch.Tenso
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of `sharpdraft train dflash`; the defaults are those of the shipped weights
-    (checkpoints/dflash-smollm2/RECIPE.md, stage 12, less its continuation's lower --lr)."""
-    add_common_arguments(p, lr=1e-3)
+    (checkpoints/dflash-smollm2/RECIPE.md, stage 12, less its continuation's lower --lr) in the
+    public z-lab architecture the shipped weights were moved to: q/k norms, the whole vocabulary
+    (docs/results/public-architectures.md)."""
+    add_common_arguments(p, lr=1e-3, draft_vocab=0)
     p.add_argument("--blocks", type=int, default=64, help="draft blocks per sequence and step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
@@ -186,7 +188,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the run over which anchors grow from --min-context to "
                         "the sequence length (context curriculum; 0 = off)")
     p.add_argument("--min-context", type=int, default=32)
-    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True,
                    help="RMSNorm each head's queries and keys (the public z-lab DFlash "
                         "architecture; with --draft-vocab 0 the drafter exports exactly)")
     add_position_skip_arguments(p, default=0.5)

@@ -26,10 +26,12 @@ from .losses import draft_vocabulary
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int = 1024,
-                         steps: int = 2000, warmup: int = 30, eval_every: int = 250) -> None:
+                         steps: int = 2000, warmup: int = 30, eval_every: int = 250,
+                         draft_vocab: int = 8192) -> None:
     """Options every recipe shares (data, cache, schedule, output, runtime); `lr`, `seq_len`,
-    `steps`, `warmup` and `eval_every` are the recipe's defaults of those options (those its
-    shipped weights were trained with)."""
+    `steps`, `warmup`, `eval_every` and `draft_vocab` are the recipe's defaults of those options
+    (those its shipped weights were trained with; draft_vocab 0 where the public architecture
+    drafts over the whole vocabulary)."""
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus", default=None,
@@ -47,7 +49,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int 
                    help="training context length: packed text sequence length, or the longest "
                         "corpus conversation kept (its last tokens); recorded as train_context")
     p.add_argument("--topk", type=int, default=32, help="cached target probabilities per position")
-    p.add_argument("--draft-vocab", type=int, default=8192,
+    p.add_argument("--draft-vocab", type=int, default=draft_vocab,
                    help="draft vocabulary size: the most frequent target tokens of the training "
                         "sequences (0: the whole target vocabulary)")
     p.add_argument("--steps", type=int, default=steps,

@@ -159,8 +159,10 @@ def walk_evaluate(drafter: PARDDrafter, target, seqs, window: int) -> dict:
 
 def arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of `sharpdraft train pard`; the defaults are those of the shipped weights
-    (checkpoints/pard-smollm2/RECIPE.md, stage 8, less its continuation's LR_SCALE)."""
-    add_common_arguments(p, lr=3e-4)
+    (checkpoints/pard-smollm2/RECIPE.md, stage 8, less its continuation's LR_SCALE), except the
+    draft vocabulary: the whole one, as a public PARD drafter has (the shipped weights were
+    converted to it, docs/results/public-architectures.md)."""
+    add_common_arguments(p, lr=3e-4, draft_vocab=0)
     p.add_argument("--window", type=int, default=512,
                    help="training window in tokens (recorded as train_context)")
     p.add_argument("--layers", type=int, default=4, help="drafter layers (the target's first)")
