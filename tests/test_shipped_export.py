@@ -14,7 +14,7 @@ from sharpdraft.drafters.export import export_drafter
 pytestmark = pytest.mark.usefixtures("require_ext")
 
 # Shipped kinds whose architecture is the public one (docs/results/public-architectures.md).
-EXPORTED = ("eagle3", "pard")
+EXPORTED = ("dflash", "eagle3", "pard")
 
 
 @pytest.fixture(scope="module")
