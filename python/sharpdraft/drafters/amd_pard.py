@@ -61,9 +61,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.activations import ACT2FN
 
 from ..attention import SharpConfig, register
-from .base import CONFIG_FILE, ConfigKindError, read_config_json
+from .base import CONFIG_FILE, ConfigKindError
 from .pard import PARDDrafter, PARDSession
-from .public_files import check_tensors, is_int, read_weights, save_folder, weight_index
+from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
+                           weight_index)
 
 # model_type -> the architecture class name a public checkpoint of that family declares
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -472,16 +473,6 @@ class AMDPARDDrafter(PARDDrafter):
                      f"differs, pass overrides={{'target_vocab_size': {vocab}}})")]
         return []
 
-    def check_target(self, target, checkpoint=None) -> None:
-        """Raises ValueError naming the checkpoint's config.json and each mismatching field."""
-        problems = self.target_problems(target)
-        if problems:
-            where = (f"drafter checkpoint {Path(checkpoint) / CONFIG_FILE}"
-                     if checkpoint is not None else f"this {type(self).__name__}")
-            raise ValueError(f"{where} does not fit the target "
-                             f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
-                             + "; ".join(problems))
-
     # ----- checkpoints ------------------------------------------------------------------------
     def public_state(self) -> Dict[str, torch.Tensor]:
         """{public tensor name: tensor} (lm_head.weight left out when tied)."""
@@ -511,21 +502,7 @@ class AMDPARDDrafter(PARDDrafter):
             ConfigKindError: not a PARD config (see `AMDPARDConfig.from_public`).
             ValueError naming the folder, config.json and the field.
         """
-        folder = Path(folder)
-        raw = read_config_json(folder)
-        where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
-        config = AMDPARDConfig.from_public(raw, where)
-        if overrides:
-            names = {f.name for f in dataclasses.fields(AMDPARDConfig) if f.init}
-            bad = sorted(set(overrides) - names)
-            if bad:
-                raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
-                                 f"{AMDPARDConfig.__name__}")
-            try:
-                config = dataclasses.replace(config, **overrides)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{where} (with overrides): {err}") from None
-        return config
+        return read_public_config(folder, AMDPARDConfig, overrides)
 
     @classmethod
     def expected_shapes(cls, config: AMDPARDConfig) -> Dict[str, tuple]:

@@ -509,12 +509,13 @@ class Drafter(nn.Module):
         """Check that this drafter can draft for `target` (see `target_problems`).
 
         Raises:
-            ValueError naming the checkpoint folder (when given) and every mismatching field.
+            ValueError naming the checkpoint's config.json (when a folder is given) and every
+                mismatching field.
         """
         problems = self.target_problems(target)
         if problems:
-            where = (f"drafter checkpoint {checkpoint}" if checkpoint is not None
-                     else f"this {type(self).__name__}")
+            where = (f"drafter checkpoint {Path(checkpoint) / CONFIG_FILE}"
+                     if checkpoint is not None else f"this {type(self).__name__}")
             raise ValueError(f"{where} does not fit the target "
                              f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
                              + "; ".join(problems))

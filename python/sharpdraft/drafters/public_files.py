@@ -8,6 +8,7 @@ pickled code). Shapes are checked from the safetensors headers before any weight
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -18,10 +19,43 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .base import CONFIG_FILE, WEIGHTS_FILE, read_safetensors_header, weights_problems
+from .base import (CONFIG_FILE, WEIGHTS_FILE, ConfigKindError, read_config_json,
+                   read_safetensors_header, weights_problems)
 
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
+
+
+def read_public_config(folder, config_class, overrides: Optional[dict] = None):
+    """`config_class.from_public(raw, where)` of a public folder's config.json, with `overrides`
+    ({field: value} of the config dataclass, e.g. a tree shape) applied and validated.
+
+    Raises:
+        FileNotFoundError naming the folder: not a folder, or no config.json.
+        ConfigKindError: config.json is another kind's (as `from_public` decides).
+        ValueError naming the folder, config.json and the field (or the override).
+    """
+    folder = Path(folder)
+    raw = read_config_json(folder)
+    where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
+    try:
+        config = config_class.from_public(raw, where)
+    except ConfigKindError:
+        raise
+    except ValueError as err:
+        msg = str(err)
+        raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    if overrides:
+        names = {f.name for f in dataclasses.fields(config_class) if f.init}
+        bad = sorted(set(overrides) - names)
+        if bad:
+            raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
+                             f"{config_class.__name__}")
+        try:
+            config = dataclasses.replace(config, **overrides)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where} (with overrides): {err}") from None
+    return config
 
 
 def weight_index(folder) -> Tuple[str, Dict[str, tuple], Optional[dict]]:

@@ -87,9 +87,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..attention import SharpConfig
-from .base import CONFIG_FILE, ConfigKindError, check_config, read_config_json, target_geometry
+from .base import CONFIG_FILE, ConfigKindError, check_config, target_geometry
 from .eagle3 import Eagle3Config, Eagle3Drafter
-from .public_files import check_tensors, is_int, read_weights, save_folder, weight_index
+from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
+                           weight_index)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForge's name)
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
@@ -564,16 +565,6 @@ class SpecForgeEagle3Drafter(Eagle3Drafter):
                             f"{c.target_layer_ids}) {problem}")
         return problems
 
-    def check_target(self, target, checkpoint=None) -> None:
-        """Raises ValueError naming the checkpoint's config.json and each mismatching field."""
-        problems = self.target_problems(target)
-        if problems:
-            where = (f"drafter checkpoint {Path(checkpoint) / CONFIG_FILE}"
-                     if checkpoint is not None else f"this {type(self).__name__}")
-            raise ValueError(f"{where} does not fit the target "
-                             f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
-                             + "; ".join(problems))
-
     # ----- the public state ---------------------------------------------------------------------
     def public_state_dict(self) -> Dict[str, torch.Tensor]:
         """The tensors under their public names: feature_scale folded into fc (fc.weight *
@@ -686,27 +677,7 @@ class SpecForgeEagle3Drafter(Eagle3Drafter):
             ConfigKindError: not a public EAGLE-3 config (another drafter kind).
             ValueError naming the folder, config.json and the field.
         """
-        folder = Path(folder)
-        raw = read_config_json(folder)
-        where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
-        try:
-            config = SpecForgeEagle3Config.from_public(raw, where)
-        except ConfigKindError:
-            raise
-        except ValueError as err:
-            msg = str(err)
-            raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        if overrides:
-            names = {f.name for f in dataclasses.fields(SpecForgeEagle3Config)}
-            bad = sorted(set(overrides) - names)
-            if bad:
-                raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
-                                 f"{SpecForgeEagle3Config.__name__}")
-            try:
-                config = dataclasses.replace(config, **overrides)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{where} (with overrides): {err}") from None
-        return config
+        return read_public_config(folder, SpecForgeEagle3Config, overrides)
 
     @classmethod
     def load(cls, folder, sharp=None, device: Optional[torch.device] = None, target=None,

@@ -50,8 +50,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from ..attention import SharpConfig, attend
 from .base import (CONFIG_FILE, ConfigKindError, Drafter, draw_rows, feature_layer_problems,
-                   read_config_json, state_bytes)
-from .public_files import check_tensors, is_int, read_weights, save_folder, weight_index
+                   state_bytes)
+from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
+                           weight_index)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -528,16 +529,6 @@ class ZLabDFlashDrafter(Drafter):
                             f"target's vocabulary of {vocab} tokens")
         return problems
 
-    def check_target(self, target, checkpoint=None) -> None:
-        """Raises ValueError naming the checkpoint's config.json and each mismatching field."""
-        problems = self.target_problems(target)
-        if problems:
-            where = (f"drafter checkpoint {Path(checkpoint) / CONFIG_FILE}"
-                     if checkpoint is not None else f"this {type(self).__name__}")
-            raise ValueError(f"{where} does not fit the target "
-                             f"({getattr(target.config, 'name_or_path', '') or 'given'}): "
-                             + "; ".join(problems))
-
     # ----- conversion -------------------------------------------------------------------------
     @classmethod
     def from_drafter(cls, drafter, target, tokenizer=None) -> "ZLabDFlashDrafter":
@@ -603,27 +594,7 @@ class ZLabDFlashDrafter(Drafter):
             ConfigKindError: not a DFlashDraftModel config (another drafter kind).
             ValueError naming the folder, config.json and the field.
         """
-        folder = Path(folder)
-        raw = read_config_json(folder)
-        where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
-        try:
-            config = ZLabDFlashConfig.from_public(raw, where)
-        except ConfigKindError:
-            raise
-        except ValueError as err:
-            msg = str(err)
-            raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-        if overrides:
-            names = {f.name for f in dataclasses.fields(ZLabDFlashConfig)}
-            bad = sorted(set(overrides) - names)
-            if bad:
-                raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
-                                 f"{ZLabDFlashConfig.__name__}")
-            try:
-                config = dataclasses.replace(config, **overrides)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{where} (with overrides): {err}") from None
-        return config
+        return read_public_config(folder, ZLabDFlashConfig, overrides)
 
     @classmethod
     def expected_shapes(cls, config: ZLabDFlashConfig) -> Dict[str, tuple]:
