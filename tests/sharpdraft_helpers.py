@@ -67,3 +67,31 @@ def tiny_pard(target, seed: int = 3, **kw):
     with torch.no_grad():
         d.mask_embedding.normal_()
     return d.eval()
+
+
+def write_public_folder(folder, config: dict, state: dict, layout: str = "safetensors"):
+    """A checkpoint folder in one of the public weight layouts: config.json plus
+    model.safetensors ("safetensors"), two shards with model.safetensors.index.json
+    ("sharded"), or a pytorch_model.bin ("bin"). Returns the folder."""
+    import json
+    from pathlib import Path
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if layout == "safetensors":
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    elif layout == "sharded":
+        names = sorted(state)
+        parts = {"model-00001-of-00002.safetensors": names[::2],
+                 "model-00002-of-00002.safetensors": names[1::2]}
+        for fname, keys in parts.items():
+            save_file({k: state[k] for k in keys}, str(folder / fname))
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": 0},
+             "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    elif layout == "bin":
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        raise ValueError(f"layout must be safetensors, sharded or bin, got {layout!r}")
+    return folder

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import registry
 from sharpdraft.drafters.amd_pard import AMDPARDConfig, AMDPARDDrafter
@@ -16,7 +15,7 @@ from sharpdraft.drafters.base import ConfigKindError
 from sharpdraft.drafters.loading import detect_kind, load_drafter
 from sharpdraft.drafters.pard import PARDDrafter
 from sharpdraft.inference.engine import speculative_generate
-from sharpdraft_helpers import TARGET_FAMILIES, tiny_pard, tiny_target
+from sharpdraft_helpers import TARGET_FAMILIES, tiny_pard, tiny_target, write_public_folder
 from test_engine import assert_second_token_follows_target, hf_greedy
 
 VOCAB, PARD, K = 256, 250, 4
@@ -99,21 +98,7 @@ def write_checkpoint(folder, cfg, state=None, layout: str = "safetensors", seed:
     """Write config.json and the weights as model.safetensors, two shards with an index, or
     pytorch_model.bin."""
     state = public_state(cfg, seed) if state is None else state
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    if layout == "safetensors":
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    elif layout == "sharded":
-        names = sorted(state)
-        parts = {"model-00001-of-00002.safetensors": names[::2],
-                 "model-00002-of-00002.safetensors": names[1::2]}
-        for fname, keys in parts.items():
-            save_file({k: state[k] for k in keys}, str(folder / fname))
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": 0},
-             "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
-    else:
-        torch.save(state, folder / "pytorch_model.bin")
+    write_public_folder(folder, cfg, state, layout)
     return folder, cfg, state
 
 

@@ -9,7 +9,7 @@ from sharpdraft import training
 from sharpdraft.drafters import registry
 from sharpdraft.drafters.base import Drafter
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
-from sharpdraft_helpers import TARGET_FAMILIES, tiny_target
+from sharpdraft_helpers import TARGET_FAMILIES
 
 
 class Tok:

@@ -23,7 +23,7 @@ from sharpdraft.drafters.specforge_eagle3 import (
 )
 from sharpdraft.drafters.zlab_dflash import ZLabDFlashDrafter
 from sharpdraft.inference.engine import speculative_generate, tree_speculative_generate
-from sharpdraft_helpers import TARGET_FAMILIES, tiny_target
+from sharpdraft_helpers import TARGET_FAMILIES, tiny_target, write_public_folder
 from test_engine import assert_second_token_follows_target, hf_greedy
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -462,20 +462,8 @@ def test_save_round_trip_and_other_layouts(tmp_path, target, prompt):
     again = SpecForgeEagle3Drafter.load(tmp_path / "saved", target=target)
     assert again.config == drafter.config
     # pytorch_model.bin (weights_only) and shards with an index
-    binf = tmp_path / "bin"
-    binf.mkdir()
-    (binf / "config.json").write_text(json.dumps(cfg))
-    torch.save(sd, binf / "pytorch_model.bin")
-    shard = tmp_path / "sharded"
-    shard.mkdir()
-    (shard / "config.json").write_text(json.dumps(cfg))
-    names = sorted(sd)
-    parts = {"model-00001-of-00002.safetensors": names[::2],
-             "model-00002-of-00002.safetensors": names[1::2]}
-    for fname, keys in parts.items():
-        save_file({k: sd[k] for k in keys}, str(shard / fname))
-    (shard / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
+    binf = write_public_folder(tmp_path / "bin", cfg, sd, "bin")
+    shard = write_public_folder(tmp_path / "sharded", cfg, sd, "sharded")
     for other in (tmp_path / "saved", binf, shard):
         got = adapter_chain(SpecForgeEagle3Drafter.load(other, target=target), target, prompt)[1]
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -18,7 +18,7 @@ from sharpdraft.drafters.zlab_dflash import (
     build_target_layer_ids,
 )
 from sharpdraft.inference.engine import speculative_generate
-from sharpdraft_helpers import tiny_drafter, tiny_target
+from sharpdraft_helpers import tiny_drafter, tiny_target, write_public_folder
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HIDDEN, VOCAB, MASK, BLOCK = 64, 256, 5, 4
@@ -308,22 +308,8 @@ def test_save_round_trip_and_other_layouts(tmp_path, target, prompt):
     again = ZLabDFlashDrafter.load(tmp_path / "saved", target=target)
     assert again.config == drafter.config
     assert set(again.state_dict()) == set(sd)
-    # sharded safetensors with an index
-    shard = tmp_path / "sharded"
-    shard.mkdir()
-    (shard / "config.json").write_text(json.dumps(cfg))
-    names = sorted(sd)
-    parts = {"model-00001-of-00002.safetensors": names[::2],
-             "model-00002-of-00002.safetensors": names[1::2]}
-    for fname, keys in parts.items():
-        save_file({k: sd[k] for k in keys}, str(shard / fname))
-    (shard / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}))
-    # pytorch_model.bin (read with weights_only=True)
-    binf = tmp_path / "bin"
-    binf.mkdir()
-    (binf / "config.json").write_text(json.dumps(cfg))
-    torch.save(sd, binf / "pytorch_model.bin")
+    shard = write_public_folder(tmp_path / "sharded", cfg, sd, "sharded")   # with its index
+    binf = write_public_folder(tmp_path / "bin", cfg, sd, "bin")   # read with weights_only
     for other in (tmp_path / "saved", shard, binf):
         got, _ = adapter_step(ZLabDFlashDrafter.load(other, target=target), target, prompt)
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -64,7 +64,7 @@ from ..attention import SharpConfig, register
 from .base import CONFIG_FILE, ConfigKindError
 from .pard import PARDDrafter, PARDSession
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index)
+                           weight_index, weights_dtype)
 
 # model_type -> the architecture class name a public checkpoint of that family declares
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -554,10 +554,7 @@ class AMDPARDDrafter(PARDDrafter):
         cls._check_shapes(folder, config, shapes)
         dev = str(device or "cpu")
         state = read_weights(folder, shapes, state, dev)
-        dtype = state["model.embed_tokens.weight"].dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"drafter checkpoint {folder}: model.embed_tokens.weight has dtype "
-                             f"{dtype}, not a floating-point type")
+        dtype = weights_dtype(folder, state, "model.embed_tokens.weight")
         state = {k: v.to(dtype) for k, v in state.items()}
         if config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]

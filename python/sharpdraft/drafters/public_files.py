@@ -157,6 +157,19 @@ def read_weights(folder, shapes: Dict[str, tuple], state: Optional[dict] = None,
                          f"{first}") from err
 
 
+def weights_dtype(folder, state: Dict[str, torch.Tensor], name: str) -> torch.dtype:
+    """The dtype a public drafter is built in: that of its tensor `name` (e.g. fc.weight).
+
+    Raises:
+        ValueError naming the folder and the tensor: not a floating-point dtype.
+    """
+    dtype = state[name].dtype
+    if not dtype.is_floating_point:
+        raise ValueError(f"drafter checkpoint {folder}: {name} has dtype {dtype}, not a "
+                         f"floating-point type")
+    return dtype
+
+
 def _replace_atomically(path: Path, write) -> None:
     """`write(temporary path)` next to `path`, then rename it to `path` (never half-written)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

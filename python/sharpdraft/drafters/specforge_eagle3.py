@@ -90,7 +90,7 @@ from ..attention import SharpConfig
 from .base import CONFIG_FILE, ConfigKindError, check_config, target_geometry
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index)
+                           weight_index, weights_dtype)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForge's name)
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
@@ -716,10 +716,7 @@ class SpecForgeEagle3Drafter(Eagle3Drafter):
         dev = str(device or "cpu")
         state = read_weights(folder, shapes, state, dev)
         cls._vocab_problem(folder, config, state, shapes)
-        dtype = state["fc.weight"].dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"drafter checkpoint {folder}: {shapes['fc.weight'][0]}: fc.weight "
-                             f"has dtype {dtype}, not a floating-point type")
+        dtype = weights_dtype(folder, state, "fc.weight")
         internal = {}
         for name, v in state.items():
             if name == "d2t":      # offsets -> absolute target ids

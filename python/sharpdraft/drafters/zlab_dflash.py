@@ -52,7 +52,7 @@ from ..attention import SharpConfig, attend
 from .base import (CONFIG_FILE, ConfigKindError, Drafter, draw_rows, feature_layer_problems,
                    state_bytes)
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index)
+                           weight_index, weights_dtype)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -652,10 +652,7 @@ class ZLabDFlashDrafter(Drafter):
         cls._check_shapes(folder, config, shapes)
         dev = str(device or "cpu")
         state = read_weights(folder, shapes, state, dev)
-        dtype = state["fc.weight"].dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"drafter checkpoint {folder}: fc.weight has dtype {dtype}, not a "
-                             f"floating-point type")
+        dtype = weights_dtype(folder, state, "fc.weight")
         state = {k: v.to(dtype) for k, v in state.items()}
         with torch.device("meta"):
             model = cls(config, sharp)
