@@ -382,16 +382,6 @@ class AMDPARDDrafter(PARDDrafter):
         """The final RMSNorm (model.norm)."""
         return self.model.norm
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """(cos, sin) at `positions` (B, L), in x's dtype, from float32 inverse frequencies
-        (rebuilt when a cast of the whole drafter rounded them, or they are on another device,
-        e.g. after loading on the meta device)."""
-        rot = self.model.rotary_emb
-        if rot.inv_freq.dtype != torch.float32 or rot.inv_freq.device != positions.device:
-            self.model.rotary_emb = rot = type(rot)(config=self.config.family_config()).to(
-                positions.device)
-        return rot(x, positions)
-
     def embed(self, target, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
         """(B, L) ids (ignored where is_mask) -> (B, L, hidden) embeddings, the mask rows taking
         the embedding row of pard_token (the drafter's own embedding; `target` is unused)."""
@@ -407,7 +397,7 @@ class AMDPARDDrafter(PARDDrafter):
         attn_mask: None (bottom-right causal over [cache ; rows]) or bool (B or 1, 1, L, Lk),
         True = visible.
         """
-        rope = self._rope(embeds, positions)
+        rope = self.model.rotary_emb(embeds, positions)
         x = embeds
         for layer in self.model.layers:
             x = layer(x, attention_mask=attn_mask, position_embeddings=rope, cache=cache,

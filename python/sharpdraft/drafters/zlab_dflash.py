@@ -461,23 +461,13 @@ class ZLabDFlashDrafter(Drafter):
         a dict or the full tuple)."""
         return torch.cat([hidden_states[i + 1] for i in self.config.target_layer_ids], dim=-1)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-        """(cos, sin) at `positions`, in x's dtype, from float32 inverse frequencies (rebuilt
-        when a cast of the whole drafter, e.g. `.to(torch.bfloat16)`, rounded them, as the
-        reference keeps them in float32)."""
-        rot = self.rotary_emb
-        if rot.inv_freq.dtype != torch.float32 or rot.inv_freq.device != positions.device:
-            self.rotary_emb = rot = Qwen3RotaryEmbedding(self.config.qwen3_config()).to(
-                positions.device)
-        return rot(x, positions)
-
     @torch.no_grad()
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list:
         """[(k, v)] per layer, (1, Hk, T, d) each, of context features (1, T, n * target_hidden)
         at `positions` (1, T): hidden_norm(fc(features)) through each layer's k/v projections,
         k_norm and RoPE."""
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        rope = self._rope(ctx, positions)
+        rope = self.rotary_emb(ctx, positions)
         return [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
 
     def block_hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor,
@@ -485,7 +475,7 @@ class ZLabDFlashDrafter(Drafter):
         """norm(draft layers(block)) (1, b, hidden): block_embeds (1, b, hidden) at positions
         (1, b) right after the context whose [(k, v)] per layer is `cache`."""
         x = block_embeds.to(self.fc.weight.dtype)
-        rope = self._rope(x, positions)
+        rope = self.rotary_emb(x, positions)
         for layer, (k, v) in zip(self.layers, cache):
             x = layer(x, rope, k, v, self.sharp)
         return self.norm(x)
