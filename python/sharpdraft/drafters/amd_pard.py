@@ -61,7 +61,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.activations import ACT2FN
 
 from ..attention import SharpConfig, register
-from .base import CONFIG_FILE, ConfigKindError
+from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError
 from .pard import PARDDrafter, PARDSession
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
                            weight_index, weights_dtype)
@@ -70,7 +70,6 @@ from .public_files import (check_tensors, is_int, read_public_config, read_weigh
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM"}
 SPD_TYPE = "pard"
-DEFAULT_TRAIN_CONTEXT = 2048
 DEFAULT_NUM_DRAFT_TOKENS = 8          # PARD's para_num (config/train/example_qwen.yaml)
 # Where a parallel draft model may record its mask id, in vLLM's order of precedence.
 TOKEN_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "pard_token", "ptd_token_id")

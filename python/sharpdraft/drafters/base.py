@@ -41,6 +41,8 @@ from ..target.linears import as_packed, plan_linears
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# SharpDraft's n_ref for a public checkpoint whose config records no training length
+DEFAULT_TRAIN_CONTEXT = 2048
 
 
 def target_geometry(target_config) -> dict:

@@ -8,7 +8,7 @@ from typing import Optional, Union
 
 from ..attention import SharpConfig
 from . import registry
-from .base import CONFIG_FILE, ConfigKindError, Drafter
+from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_SLOPE = 0.2
@@ -63,7 +63,7 @@ def sharp_config(drafter: Drafter, enabled: bool = True, slope: Optional[float] 
 N_REF_SOURCES = {
     "given": "given (n_ref= / --n-ref)",
     "checkpoint": "the drafter's training context length, recorded in its config",
-    "default": f"the default {2048}: the checkpoint records no training length",
+    "default": f"the default {DEFAULT_TRAIN_CONTEXT}: the checkpoint records no training length",
 }
 
 

@@ -87,7 +87,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..attention import SharpConfig
-from .base import CONFIG_FILE, ConfigKindError, check_config, target_geometry
+from .base import (CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, check_config,
+                   target_geometry)
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
                            weight_index, weights_dtype)
@@ -95,7 +96,6 @@ from .public_files import (check_tensors, is_int, read_public_config, read_weigh
 ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForge's name)
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
 SAFEAILAB_ARCHITECTURE = "LlamaForCausalLM"       # accepted with a draft_vocab_size key only
-DEFAULT_TRAIN_CONTEXT = 2048
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 EXTRAS_KEY = "sharpdraft"                         # our drafting options in config.json
 DRAFTING_OPTIONS = ("chain_length", "tree_topk", "tree_depth", "tree_tokens")

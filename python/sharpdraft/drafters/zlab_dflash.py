@@ -49,14 +49,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..attention import SharpConfig, attend
-from .base import (CONFIG_FILE, ConfigKindError, Drafter, draw_rows, feature_layer_problems,
-                   state_bytes)
+from .base import (CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter, draw_rows,
+                   feature_layer_problems, state_bytes)
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
                            weight_index, weights_dtype)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-DEFAULT_TRAIN_CONTEXT = 2048
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 # config.json keys the config reads (the rest is kept in `extra` and written back by `save`).
