@@ -4,6 +4,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 
 from sharpdraft.attention import SharpConfig, register, set_sharp_config
+from sharpdraft.target.kv_cache import CACHE_KWARG
 from sharpdraft_helpers import tiny_target
 
 
@@ -21,8 +22,9 @@ def pair():
 def run(model, ids, mask=None):
     cache = DynamicCache()
     with torch.no_grad():
-        a = model(ids[:, :-3], attention_mask=None if mask is None else mask[:, :-3], cache=cache)
-        b = model(ids[:, -3:], attention_mask=mask, cache=cache)   # cached step, Lq < Lk
+        a = model(ids[:, :-3], attention_mask=None if mask is None else mask[:, :-3],
+                  **{CACHE_KWARG: cache})
+        b = model(ids[:, -3:], attention_mask=mask, **{CACHE_KWARG: cache})  # cached, Lq < Lk
     return torch.cat([a.logits, b.logits], 1)
 
 

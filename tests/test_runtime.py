@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from conftest import assert_close_spec
 from sharpdraft.attention import sharp_mask
+from sharpdraft.target.kv_cache import CACHE_KWARG
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft.target.linears import PackedLinear
 from sharpdraft.target.runtime import TargetRuntime, prepare_target
@@ -44,7 +45,8 @@ def _tree_mask(P: int):
 
 def _hf(model, ids, cache, **kw):
     with torch.no_grad():
-        return model(input_ids=ids, cache=cache, use_cache=True, output_hidden_states=True, **kw)
+        return model(input_ids=ids, **{CACHE_KWARG: cache}, use_cache=True,
+                     output_hidden_states=True, **kw)
 
 
 def test_target_attention_is_never_scaled(models):

@@ -230,7 +230,7 @@ def test_hooked_backend_in_mode_none_is_the_backend():
     try:
         got = impl.forward(None, q, k, v, None, meta([0, 5], [5]), output=torch.empty(5, 2, 16))
         assert torch.equal(got, plain)
-        plugin.hooked_layers()["x"].mode = "fixed_slope"        # switched at run time
+        plugin.hooked_layers()[0].mode = "fixed_slope"          # switched at run time
         got = impl.forward(None, q, k, v, None, meta([0, 5], [5]), output=torch.empty(5, 2, 16))
         assert not torch.equal(got, plain)
     finally:

@@ -61,6 +61,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.activations import ACT2FN
 
 from ..attention import SharpConfig, register
+from ..target.kv_cache import CACHE_KWARG
 from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError
 from .pard import PARDDrafter, PARDSession
 from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
@@ -399,8 +400,9 @@ class AMDPARDDrafter(PARDDrafter):
         rope = self.model.rotary_emb(embeds, positions)
         x = embeds
         for layer in self.model.layers:
-            x = layer(x, attention_mask=attn_mask, position_embeddings=rope, cache=cache,
-                      use_cache=cache is not None, sharp_config=self.sharp)
+            x = layer(x, attention_mask=attn_mask, position_embeddings=rope,
+                      **{CACHE_KWARG: cache}, use_cache=cache is not None,
+                      sharp_config=self.sharp)
         return self.model.norm(x)
 
     def head(self, target, h: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
                                                       LlamaRotaryEmbedding)
 
 from ..attention import SharpConfig, register
+from ..target.kv_cache import CACHE_KWARG
 from .base import (Drafter, check_config, crop_to, draw_rows, llama_config,
                    require_llama_layers, state_bytes, target_geometry, window_mask)
 
@@ -170,8 +171,9 @@ class PARDDrafter(Drafter):
         rope = self.rotary_emb(embeds, positions)
         x = embeds
         for layer in self.layers:
-            x = layer(x, attention_mask=attn_mask, position_embeddings=rope, cache=cache,
-                      use_cache=cache is not None, sharp_config=self.sharp)
+            x = layer(x, attention_mask=attn_mask, position_embeddings=rope,
+                      **{CACHE_KWARG: cache}, use_cache=cache is not None,
+                      sharp_config=self.sharp)
         return self.norm(x)
 
     def train_logits(self, target, ids: torch.Tensor, keep: torch.Tensor,

@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..target.kv_cache import PreallocatedCache
+from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
 from .sampling import sample_next
 
 COMPACT_AT = 0.75     # drop the finished rows once at most this fraction of the batch is live
@@ -67,7 +67,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=mask[:, :seen], position_ids=pos,
-                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                       **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = sample_next(logits, temperature, top_p, generator)
         keep = []
         for r, (i, tok) in enumerate(zip(live, nxt.tolist())):

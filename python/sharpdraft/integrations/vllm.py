@@ -25,8 +25,8 @@ vLLM wrote plus the whole block; a sliding window caps the count. beta_i is comp
 Why this lever (docs/vllm.md): all three proposers load their drafter through
 `SpecDecodeBaseProposer.load_model`, which also names the drafter's attention layers
 (``_draft_attn_layer_names``). The plugin wraps that method and, after it, the ``forward`` of
-those layers' backend implementations, whichever backend vLLM chose (CPU_ATTN on CPU; FlashAttention,
-FlashInfer, Triton... on CUDA). The two other levers fail on one path: vLLM's CPU platform
+those layers' backend implementations, whichever backend vLLM chose (CPU_ATTN on CPU;
+FlashAttention, FlashInfer, Triton... on CUDA). The two other levers fail on one path: vLLM's CPU platform
 ignores a drafter-only ``attention_backend`` (it always returns CPU_ATTN), and PARD's drafter
 is a plain LlamaForCausalLM / Qwen3ForCausalLM, the target's own class, so replacing draft
 model classes in the registry would change the target too.
@@ -362,7 +362,7 @@ def hook_layer(layer, scale: LayerScale) -> None:
 
     sharp_forward._sharpdraft_inner = forward
     impl.forward = sharp_forward
-    _HOOKED[scale.name] = (impl, scale)
+    _HOOKED[:] = [(i, s) for i, s in _HOOKED if i is not impl] + [(impl, scale)]
     if kv_update is not None:
         def observed_kv_update(attn_layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
             result = kv_update(attn_layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
@@ -376,18 +376,19 @@ def hook_layer(layer, scale: LayerScale) -> None:
         impl.do_kv_cache_update = observed_kv_update
 
 
-_HOOKED: dict = {}          # layer name -> (impl, LayerScale), in the drafter's process
+_HOOKED: list = []          # (impl, LayerScale) in hook order, in the drafter's process
 
 
-def hooked_layers() -> dict:
-    """{layer name: LayerScale} of the drafter layers hooked in this process. A LayerScale's
-    mode, slope and n_ref may be changed between requests (they are read at every call)."""
-    return {name: scale for name, (_, scale) in _HOOKED.items()}
+def hooked_layers() -> list:
+    """The LayerScale of every drafter layer hooked in this process, in hook order (engines
+    built one after another append theirs). A LayerScale's mode, slope and n_ref may be changed
+    between requests: the hook reads them at every call."""
+    return [scale for _, scale in _HOOKED]
 
 
 def unhook_all() -> None:
     """Give every hooked layer back its backend's own forward and KV-cache write."""
-    for impl, _ in _HOOKED.values():
+    for impl, _ in _HOOKED:
         impl.forward = getattr(impl.forward, "_sharpdraft_inner", impl.forward)
         update = getattr(impl, "do_kv_cache_update", None)
         if update is not None:

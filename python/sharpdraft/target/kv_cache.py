@@ -3,10 +3,23 @@ generation, written in place; cropping moves a length, a tree's accepted path is
 a batched generation drops its finished rows with `batch_select_indices`."""
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+
+def _cache_kwarg() -> str:
+    """The keyword transformers' models and decoder layers take a Cache by: "cache" from
+    transformers 5.2x (with "past_key_values" deprecated), "past_key_values" before (5.19, the
+    version vLLM 0.32 pins)."""
+    params = inspect.signature(LlamaDecoderLayer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
 
 
 class PreallocatedLayer(CacheLayerMixin):

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..attention import SharpConfig, register, set_sharp_config
-from .kv_cache import PreallocatedCache
+from .kv_cache import CACHE_KWARG, PreallocatedCache
 from .linears import pack_linears, plan_linears
 
 
@@ -177,7 +177,8 @@ class TargetRuntime:
             raise RuntimeError("TargetRuntime.forward: call start(capacity) first")
         with captured_hidden_states(self.model, self.hidden_layers) as hidden:
             out = self.model(input_ids=ids, position_ids=position_ids,
-                             attention_mask=attention_mask, cache=self.cache, use_cache=True,
+                             attention_mask=attention_mask, **{CACHE_KWARG: self.cache},
+                             use_cache=True,
                              logits_to_keep=1 if last_only else 0)
         return StepOutput(out.logits[0].float(), dict(hidden))
 
