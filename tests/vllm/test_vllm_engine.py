@@ -127,8 +127,8 @@ class KernelCheck:
             # rows vLLM writes no key for (slot -1: PARD's rejected-region rows, whose outputs
             # it discards) come last; the other rows never see their positions
             L = sum(written[qsl[r]:qsl[r + 1]])
-            assert written[qsl[r]:qsl[r] + L] == [True] * L and (causal or L == S - (
-                qsl[r + 1] - qsl[r]) + L)
+            assert written[qsl[r]:qsl[r] + L] == [True] * L
+            assert causal or L == qsl[r + 1] - qsl[r]       # DFlash's block: every row
             rows, S = slice(qsl[r], qsl[r] + L), S - (qsl[r + 1] - qsl[r] - L)
             slots = [int(meta.block_table[r, p // block]) * block + p % block for p in range(S)]
             K = torch.stack([store[s][0] for s in slots])[None].transpose(1, 2)
