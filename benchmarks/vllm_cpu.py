@@ -6,7 +6,8 @@ with each shipped drafter exported to its public layout (frozen: plugin mode non
 mode fixed_slope), and the project's engine with the same drafters. Every engine lives in this
 process for the whole run; rounds interleave every configuration on every task; medians.
 End-to-end tokens/s (new tokens / wall time, prefill included) and tau (vLLM: 1 + accepted /
-drafts from its own counters).
+drafts from its own counters, read from an engine of its own per drafter before the timed
+engines are built: vLLM's metrics registry follows the engine built last).
 
 Run in the vLLM environment (scripts/vllm_test.sh creates it), nothing else running:
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python benchmarks/vllm_cpu.py --rounds 3
@@ -15,6 +16,7 @@ Writes benchmarks/results/vllm/vllm_cpu.{json,md}.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -71,18 +73,48 @@ def main() -> None:
         return (v.get("vllm:spec_decode_num_drafts", 0),
                 v.get("vllm:spec_decode_num_accepted_tokens", 0))
 
-    def vllm_run(llm, scales=(), mode=None):
+    def vllm_run(llm, scales=(), mode=None, tau=None):
+        """A timed request; tau comes from `tau` (the isolated pass below): vLLM's metrics
+        registry follows the engine built last, so the counters of the engines built before it
+        stop moving."""
         def run(ids):
             for s in scales:
                 s.mode = mode
-            d0, a0 = counters(llm)
             t0 = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             wall = time.perf_counter() - t0
-            d1, a1 = counters(llm)
-            tau = 1 + (a1 - a0) / (d1 - d0) if d1 > d0 else 1.0
-            return len(out[0].outputs[0].token_ids), wall, tau
+            return len(out[0].outputs[0].token_ids), wall, (tau or {}).get(tuple(ids), 1.0)
         return run
+
+    def spec_engine(spec):
+        """An engine drafting with `spec`, the plugin hooked into it (mode set per request)."""
+        before = len(plugin.hooked_layers())
+        os.environ[plugin.ENV_MODE] = "fixed_slope"
+        plugin.register()
+        llm = make_llm(spec)
+        del os.environ[plugin.ENV_MODE]
+        plugin.register()
+        return llm, plugin.hooked_layers()[before:]
+
+    def isolated_taus(spec):
+        """{mode: {prompt ids: tau}} from an engine of its own, read while it is the newest
+        (1 + accepted / drafts from vLLM's counters), then shut down. Greedy decoding is
+        deterministic, so the timed engine's requests draft the same."""
+        llm, scales = spec_engine(spec)
+        taus = {}
+        for mode in ("none", "fixed_slope"):
+            for s in scales:
+                s.mode = mode
+            taus[mode] = {}
+            for ids in prompts:
+                d0, a0 = counters(llm)
+                llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                d1, a1 = counters(llm)
+                taus[mode][tuple(ids)] = 1 + (a1 - a0) / (d1 - d0) if d1 > d0 else 1.0
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        return taus
 
     def ours_run(drafter):
         def run(ids):
@@ -100,15 +132,11 @@ def main() -> None:
         method, extra = METHODS[kind]
         spec = dict(method=method, model=str(public / kind),
                     num_speculative_tokens=frozen.max_drafts, **extra)
-        before = len(plugin.hooked_layers())
-        os.environ[plugin.ENV_MODE] = "fixed_slope"
-        plugin.register()
-        llm = make_llm(spec)
-        del os.environ[plugin.ENV_MODE]
-        plugin.register()
-        scales = plugin.hooked_layers()[before:]
-        configs[f"vLLM + {kind}, frozen"] = vllm_run(llm, scales, "none")
-        configs[f"vLLM + {kind}, SharpDraft"] = vllm_run(llm, scales, "fixed_slope")
+        taus = isolated_taus(spec)
+        llm, scales = spec_engine(spec)
+        configs[f"vLLM + {kind}, frozen"] = vllm_run(llm, scales, "none", taus["none"])
+        configs[f"vLLM + {kind}, SharpDraft"] = vllm_run(llm, scales, "fixed_slope",
+                                                        taus["fixed_slope"])
         configs[f"sharpdraft + {kind}, frozen"] = ours_run(frozen)
         configs[f"sharpdraft + {kind}, SharpDraft"] = ours_run(
             load_drafter(public / kind, target, sharp=True))

@@ -117,6 +117,11 @@ fi
 timeout "$test_timeout" "$PY" -X faulthandler -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_errors.py \
   --deselect "$UNSUPPORTED" -rfE --maxfail=40 2>&1 | tee "$OUT/test_cuda.log" | tail -60
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+# the vLLM plugin's operation on CUDA (its own run: it imports transformers, which a bare GPU
+# image may lack; appended to the same log)
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py -k scaled_query \
+  -rfE 2>&1 | tee -a "$OUT/test_cuda.log" | tail -15
+[[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 if [[ "${BENCH_TIMEOUT:-170}" == 0 ]]; then
   echo "gpu_check: benchmark skipped (BENCH_TIMEOUT=0); done (status $status)"

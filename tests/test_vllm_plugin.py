@@ -1,7 +1,7 @@
 """The vLLM plugin's parts that need no vLLM (sharpdraft.integrations.vllm): settings, the
 cardinality counted from vLLM-style attention metadata, beta, the per-layer scales read from a
 drafter's config, and the hook around a backend's forward, checked against the kernel. The
-plugin inside a real vLLM engine: tests/vllm/ (scripts/vllm_test.sh)."""
+plugin inside a real vLLM engine: tests/vllm_engine/ (scripts/vllm_test.sh)."""
 import math
 import sys
 from types import SimpleNamespace
@@ -235,3 +235,40 @@ def test_hooked_backend_in_mode_none_is_the_backend():
         assert not torch.equal(got, plain)
     finally:
         plugin.unhook_all()
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and ext.HAS_CUDA_KERNELS else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_query_through_sdpa_is_the_kernel(device, dtype):
+    """The plugin's operation in a serving dtype, on each device (CUDA where there is one): its
+    beta(n_i) from vLLM-style metadata on the device, the query scaled in `dtype`, then a plain
+    attention kernel (torch's SDPA, standing in for vLLM's backend) against the sharp kernel on
+    the same q / k / v, both judged against the float64 reference (the tolerance rule: at most
+    twice the kernel's error, plus 1e-5)."""
+    from conftest import assert_close_spec
+
+    g = torch.Generator().manual_seed(7)
+    Hq, Hk, D, S, L = 8, 2, 64, 700, 16
+    q, k, v = (torch.randn(n, h, D, generator=g) for n, h in ((L, Hq), (S, Hk), (S, Hk)))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    m = SimpleNamespace(query_start_loc=torch.tensor([0, L], dtype=torch.int32, device=device),
+                        seq_lens=torch.tensor([S], dtype=torch.int32, device=device), causal=True)
+    scale = plugin.LayerScale("l", 0, "fixed_slope", 0.3, 64, None)
+    n = plugin.cardinality(m, L)
+    beta = scale.beta(n, Hq)
+    assert n.device.type == beta.device.type == device and float(beta.min()) > 1.3
+    qs = (q.float() * beta[..., None]).to(dtype)
+    rows, keys = torch.arange(L, device=device), torch.arange(S, device=device)
+    visible = keys[None, :] <= rows[:, None] + S - L
+    dense = lambda t: t.transpose(0, 1)[None]                                   # noqa: E731
+    out = torch.nn.functional.scaled_dot_product_attention(
+        dense(qs), dense(k).repeat_interleave(Hq // Hk, 1), dense(v).repeat_interleave(Hq // Hk, 1),
+        attn_mask=visible, scale=D ** -0.5)
+    kernel = ext.sharp_attention(dense(q), dense(k), dense(v), causal=True, slope=0.3, n_ref=64)
+    exact = ext.reference.sharp_attention_ref(dense(q).double().cpu(), dense(k).double().cpu(),
+                                              dense(v).double().cpu(), causal=True, slope=0.3,
+                                              n_ref=64)
+    assert_close_spec(out.cpu(), exact, kernel.cpu(), f"plugin path {device} {dtype}")

@@ -75,6 +75,7 @@ def close(llm) -> None:
 
 
 def counters(llm) -> tuple:
+    # vLLM's metrics registry follows the engine built last: the tests build one at a time
     values = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     return (values.get("vllm:spec_decode_num_drafts", 0),
             values.get("vllm:spec_decode_num_accepted_tokens", 0))
