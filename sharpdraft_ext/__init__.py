@@ -14,12 +14,15 @@ from typing import Optional, Union
 
 import torch
 
-from . import reference  # noqa: F401
+from . import linear, reference  # noqa: F401
 from ._ops import HAS_CUDA_KERNELS, ops
+from .linear import (pack_linear_weight, packed_linear, panel_width, quant_linear,  # noqa: F401
+                     quant_pack, quant_panel_width, quant_unpack, quantize_activations)
 
 __all__ = ["sharp_attention", "sharp_attention_varlen", "visible_counts", "query_scale",
-           "pack_linear_weight", "packed_linear", "panel_width", "reference", "cpu_isa",
-           "HAS_CUDA_KERNELS"]
+           "pack_linear_weight", "packed_linear", "panel_width", "quant_pack", "quant_linear",
+           "quant_unpack", "quantize_activations", "quant_panel_width", "linear", "reference",
+           "cpu_isa", "HAS_CUDA_KERNELS"]
 
 _INF = float("inf")
 
@@ -171,54 +174,3 @@ def query_scale(n: torch.Tensor, *, mode: str = "fixed_slope",
 def cpu_isa() -> str:
     """The instruction set the CPU kernel dispatched to: "avx512", "avx2" or "base"."""
     return ops.cpu_isa()
-
-
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Repack a linear layer's weight for `packed_linear` (CPU, float32).
-
-    The layout is this machine's: panels of `panel_width()` output columns (48 with AVX-512,
-    16 with AVX2, 8 otherwise), each a contiguous (in_features, panel_width) block, zero padded
-    past out_features. Pack again after the weight changes or on another machine.
-
-    Args:
-        weight: (out_features, in_features) float32 CPU tensor (an `nn.Linear` weight).
-
-    Returns:
-        (ceil(out_features / panel_width()), in_features, panel_width()) float32 tensor.
-
-    Raises:
-        ValueError naming `weight`: not a 2-D float32 CPU tensor.
-    """
-    ops.check_pack_linear_weight(weight)
-    return ops.pack_linear_weight(weight.detach())
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ weight.T + bias from the packed weight: `F.linear` for the few rows of a decode or
-    verification step (1 to ~16), where it reads each weight once per call.
-
-    Forward only (no autograd). float32 accumulation in the order k = 0 .. in_features - 1, so
-    results equal `F.linear` up to float32 rounding.
-
-    Args:
-        x: (..., in_features) float32 CPU tensor.
-        packed: `pack_linear_weight(weight)` on this machine.
-        out_features: weight.shape[0].
-        bias: (out_features,) float32 or None.
-
-    Returns:
-        (..., out_features) float32.
-
-    Raises:
-        ValueError naming the argument: a dtype or device other than float32 on the CPU, an x
-        whose last dimension is not in_features, a `packed` made for another panel width (pack
-        again on this machine), an out_features or bias that does not match the packed weight.
-    """
-    ops.check_packed_linear(x, packed, out_features, bias, panel_width())
-    return ops.packed_linear(x, packed, out_features, bias)
-
-
-def panel_width() -> int:
-    """Output columns per panel of `pack_linear_weight` on this machine's instruction set."""
-    return ops.panel_width()

@@ -80,6 +80,20 @@ def _packed_linear_fake(x, packed, out_features, bias):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("sharpdraft::quant_pack")
+def _quant_pack_fake(blocks, qtype, out_features, in_features):
+    ops.check_quant_pack(blocks, qtype, out_features, in_features)
+    width = ops.quant_panel_width()
+    block = 34 * width if qtype == "q8_0" else 20 * width
+    return blocks.new_empty(((out_features + width - 1) // width, in_features // 32, block))
+
+
+@torch.library.register_fake("sharpdraft::quant_linear")
+def _quant_linear_fake(x, packed, qtype, out_features, bias):
+    ops.check_quant_linear(x, packed, qtype, out_features, bias, ops.quant_panel_width())
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 # ----- autograd -------------------------------------------------------------------------------
 # Each op's differentiable inputs, by position in its schema, and the reference call that
 # recomputes its outputs from the saved inputs.

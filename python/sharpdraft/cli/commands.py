@@ -96,13 +96,17 @@ def load_target_for(args):
             folder whose config or weights transformers cannot read), with the reason.
     """
     try:
-        target, tokenizer, provenance = load_target(args.target, dtype=args.dtype)
+        target, tokenizer, provenance = load_target(args.target, dtype=args.dtype,
+                                                    weights=getattr(args, "weights", "dense"))
     except Exception as err:          # whatever the loaders raise: name the flag and the file
         if isinstance(err, (ImportError, MemoryError)) or args.target is None:
             raise
         raise ValueError(f"--target {args.target}: cannot load it ({describe_error(err)})"
                          ) from err
-    if args.dtype == "auto":
+    if getattr(args, "weights", None) == "auto" and "weights_rule_ms" in provenance:
+        print(f"sharpdraft: --weights auto chose {provenance['weights']} (largest linear at "
+              f"1 / 8 rows, ms: {provenance['weights_rule_ms']})", file=sys.stderr)
+    if args.dtype == "auto" and "dtype_rule_ms" in provenance:
         print(f"sharpdraft: --dtype auto chose {provenance['dtype']} (largest linear at 1 / 8 "
               f"rows, ms: {provenance['dtype_rule_ms']})", file=sys.stderr)
     return target, tokenizer, provenance

@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..drafters import registry
 from ..target.loading import DTYPES
+from ..target.quantized import WEIGHTS
 
 DEFAULT_DRAFTER = "dflash"
 
@@ -93,6 +94,11 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto"] + sorted(DTYPES), default="auto",
                    help="target (and drafter) weights; auto: bfloat16 only where a measurement "
                         "on this CPU finds it faster than float32")
+    g.add_argument("--weights", choices=list(WEIGHTS), default="auto",
+                   help="target linear weights: gguf (the GGUF file's own Q4_0/Q4_1/Q8_0 "
+                        "blocks, int8 kernels), q8_0/q4_0/q4_1 (re-quantised at load), "
+                        "float32/bfloat16 (dense); auto: gguf for a .gguf target where a "
+                        "measurement on this CPU finds it faster, else --dtype")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--seed", type=int, default=0)
 

@@ -185,6 +185,9 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
     provenance = {**provenance, "source": str(gguf), "sha256": digest}
     out_dir = sharpdraft_home() / "targets" / digest[:16]
     if not (out_dir / "config.json").exists():  # a conversion renames a complete folder here
+        from .quantized import check_gguf
+
+        check_gguf(gguf)             # a truncated or corrupt file: refused before any work
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         print(f"sharpdraft: converting {gguf.name} to safetensors in {out_dir} (once)",
               file=sys.stderr)  # stdout is for results (generate --json)
@@ -196,7 +199,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_target(source: Optional[str] = None, *, dtype: Union[torch.dtype, str] = torch.float32,
-                attn_implementation: str = "sdpa"):
+                attn_implementation: str = "sdpa", weights: str = "dense"):
     """Load a target model and its tokenizer, offline.
 
     Args:
@@ -206,17 +209,36 @@ def load_target(source: Optional[str] = None, *, dtype: Union[torch.dtype, str] 
             float32, else float32 (`precision.choose_dtype`, measured after loading).
         attn_implementation: any name in transformers' attention interface, e.g. "sdpa" or
             "sharp" (after `sharpdraft.attention.register()`).
+        weights: "dense" (default: the float weights of `dtype`); "gguf": the linear layers on
+            the GGUF file's own quantised blocks (Q4_0 / Q4_1 / Q8_0; a .gguf source, the
+            default target included; `quantized.QuantLinear`); "q8_0", "q4_0", "q4_1": blocks
+            re-quantised from the float weights at load (any source); "auto": "gguf" where the
+            source is a GGUF file and this CPU runs the largest linear faster from its blocks
+            (`quantized.choose_weights`), else dense; "float32" / "bfloat16": dense weights of
+            that dtype (overrides `dtype`). Quantised blocks are stored in the converted
+            folder once (`quant_blocks.<mode>.safetensors`). Quantised weights imply float32
+            activations.
 
     Returns:
         (model, tokenizer, provenance): the model in eval mode, provenance as in
-        `resolve_target` plus "dtype" (the name of the dtype used) and, for "auto",
-        "dtype_rule_ms" (the measurement: ms per row count for each dtype).
+        `resolve_target` plus "dtype" (the name of the dtype used), "weights" ("dense", "gguf"
+        or the re-quantised format, with "quantised_linears" counting them by format) and, for
+        "auto", "dtype_rule_ms" / "weights_rule_ms" (the measurements: ms per row count).
 
     Raises:
-        ValueError naming dtype: an unknown dtype name.
+        ValueError naming dtype or weights: an unknown name, or "gguf" without a GGUF source;
+            naming the file: a truncated or corrupt GGUF (before anything is written).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .quantized import WEIGHTS
+
+    if weights not in WEIGHTS + ("dense",):
+        raise ValueError(f"weights: {weights!r} is none of dense, {', '.join(WEIGHTS)}")
+    if weights in ("float32", "bfloat16"):
+        dtype, weights = weights, "dense"
+    if weights not in ("dense", "auto"):
+        dtype = torch.float32        # quantised weights: float32 activations
     auto = dtype == "auto"
     if isinstance(dtype, str) and not auto:
         if dtype not in DTYPES:
@@ -227,12 +249,48 @@ def load_target(source: Optional[str] = None, *, dtype: Union[torch.dtype, str] 
         register()
     folder, provenance = resolve_target(source)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32 if auto else dtype,
+    load_dtype = torch.float32 if auto or weights == "auto" else dtype
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=load_dtype,
                                                  attn_implementation=attn_implementation)
+    if weights != "dense":
+        model, provenance = _quantise(model, folder, provenance, weights)
+        if provenance["weights"] != "dense":
+            auto, dtype = False, torch.float32
+        elif not auto and dtype != load_dtype:
+            model = model.to(dtype)
     if auto:
         from .precision import choose_dtype
 
         dtype, ms = choose_dtype(model)
         model = model.to(dtype)
         provenance = dict(provenance, dtype_rule_ms=ms)
+    provenance.setdefault("weights", "dense")
     return model.eval(), tokenizer, dict(provenance, dtype=str(dtype).removeprefix("torch."))
+
+
+def _quantise(model, folder: Path, provenance: dict, weights: str):
+    """The model with its linears on quantised blocks per `weights` (see `load_target`), and
+    the provenance saying which."""
+    from . import quantized
+
+    gguf = provenance.get("source", "")
+    if weights in ("gguf", "auto"):
+        if not str(gguf).endswith(".gguf"):
+            if weights == "auto":
+                return model, dict(provenance, weights="dense")
+            raise ValueError(f"weights: 'gguf' needs a .gguf target (this one is {gguf}); "
+                             f"re-quantise with weights='q8_0', 'q4_0' or 'q4_1'")
+        blocks = quantized.cached_blocks(folder, "gguf",
+                                         lambda: quantized.gguf_blocks(Path(gguf)))
+        if weights == "auto":
+            choice, ms = quantized.choose_weights(model, blocks)
+            provenance = dict(provenance, weights_rule_ms=ms)
+            if choice != "gguf":
+                return model, dict(provenance, weights="dense")
+        mode = "gguf"
+    else:
+        blocks = quantized.cached_blocks(folder, weights,
+                                         lambda: quantized.requantised_blocks(model, weights))
+        mode = weights
+    info = quantized.quantise_linears(model, blocks)
+    return model, dict(provenance, weights=mode, quantised_linears=info["quantised"])

