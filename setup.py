@@ -55,7 +55,7 @@ def _cuda_wanted():
 
 
 def _extensions():
-    cpu_sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cpu_sources = ["csrc/ops.cpp", "csrc/decoder_cpu.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     exts = [CppExtension("sharpdraft_ext._C", cpu_sources, include_dirs=[os.path.join(ROOT, "csrc")],
                          extra_compile_args={"cxx": CXX_FLAGS})]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))

@@ -37,7 +37,9 @@ from torch import nn
 
 from ..attention import SharpConfig, register, set_sharp_config
 from .kv_cache import CACHE_KWARG, PreallocatedCache
+from .fused import fused_layers
 from .linears import pack_linears, plan_linears
+from .quantized import QUANT_MAX_ROWS
 
 
 @dataclass
@@ -146,11 +148,16 @@ class TargetRuntime:
         self.num_layers = len(_decoder(model).layers)
         self.hidden_layers = list(hidden_state_modules(model, hidden_layers))  # checked first
         self.model = prepare_target(model, pack=pack)
+        state = self.model._sharpdraft_runtime
+        if "fused" not in state:          # once per model (its packs become views of the fused)
+            state["fused"] = fused_layers(self.model)
+            state["fused_layers"] = state["fused"] is not None
+        self.fused = state["fused"]
         self.cache: Optional[PreallocatedCache] = None
 
     @property
     def info(self) -> dict:
-        return dict(self.model._sharpdraft_runtime)
+        return {k: v for k, v in self.model._sharpdraft_runtime.items() if k != "fused"}
 
     @property
     def length(self) -> int:
@@ -175,12 +182,49 @@ class TargetRuntime:
         """
         if self.cache is None:
             raise RuntimeError("TargetRuntime.forward: call start(capacity) first")
+        if self.fused is not None and ids.shape[0] == 1 and ids.shape[1] <= QUANT_MAX_ROWS:
+            return self._fused_forward(ids, position_ids, attention_mask, last_only)
         with captured_hidden_states(self.model, self.hidden_layers) as hidden:
             out = self.model(input_ids=ids, position_ids=position_ids,
                              attention_mask=attention_mask, **{CACHE_KWARG: self.cache},
                              use_cache=True,
                              logits_to_keep=1 if last_only else 0)
         return StepOutput(out.logits[0].float(), dict(hidden))
+
+    def _fused_forward(self, ids, position_ids, attention_mask, last_only) -> StepOutput:
+        """`forward` through one `llama_layers` call (see `fused`): the same maths as the
+        modules, each row computed alone."""
+        f, decoder = self.fused, _decoder(self.model)
+        start, n = self.length, ids.shape[1]
+        if start + n > self.cache.capacity:
+            raise RuntimeError(f"PreallocatedCache: {start + n} positions exceed its capacity "
+                               f"{self.cache.capacity}; start the runtime with a larger capacity")
+        if position_ids is None:
+            position_ids = torch.arange(start, start + n).unsqueeze(0)
+        x = decoder.embed_tokens(ids)
+        cos, sin = decoder.rotary_emb(x, position_ids)
+        layers = self.cache.layers
+        if not layers[0].is_initialized:
+            empty = x.new_empty((1, f.num_kv_heads, 0, f.head_dim))
+            for layer in layers:
+                layer.lazy_initialization(empty, empty)
+        capture = [i for i in self.hidden_layers if i < self.num_layers]
+        mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        outs = torch.ops.sharpdraft.llama_layers(
+            x[0], cos[0].float().contiguous(), sin[0].float().contiguous(),
+            [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers],
+            start, mask, f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down,
+            f.qtypes, f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate_size, f.eps,
+            capture)
+        for layer in layers:
+            layer.length = start + n
+            layer._views()
+        normed = decoder.norm(outs[0])
+        hidden = {i: h.unsqueeze(0) for i, h in zip(capture, outs[1:])}
+        if self.num_layers in self.hidden_layers:
+            hidden[self.num_layers] = normed.unsqueeze(0)
+        logits = self.model.get_output_embeddings()(normed[-1:] if last_only else normed)
+        return StepOutput(logits.float(), hidden)
 
     def crop(self, length: int) -> None:
         self.cache.crop_to(length)
