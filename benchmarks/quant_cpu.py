@@ -44,6 +44,7 @@ from sharpdraft.eval.report import figure, write_report
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft.target.kv_cache import CACHE_KWARG
 from sharpdraft.target.loading import default_gguf, load_target
+from sharpdraft.target.quantized import QuantLinear
 from sharpdraft.target.runtime import TargetRuntime
 
 QUANTISED = ("gguf", "q8_0", "q4_0")
@@ -107,7 +108,7 @@ def ours_run(target, drafter, new_tokens: int):
         r = (autoregressive_generate(target, x, new_tokens) if drafter is None
              else speculative_generate(target, drafter, x, new_tokens))
         return {"decode": r.decode_tokens_per_s, "prefill_s": r.prefill_s,
-                "tau": r.tau if drafter is not None else 1.0}
+                "tau": r.tau if drafter is not None else 1.0, "tokens": list(r.tokens)}
     return run
 
 
@@ -139,6 +140,18 @@ def teacher_forced_logits(model, ids, chunk: int = 64):
         parts = [model(input_ids=ids[:, i:i + chunk], **{CACHE_KWARG: cache}, use_cache=True)
                  .logits[0] for i in range(0, ids.shape[1], chunk)]
     return torch.cat(parts).float()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a forward reads for its linear weights (the LM head included): the packed blocks of
+    quantised layers, the float weights of the others."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.packed.numel()
+        elif isinstance(mod, torch.nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    return total
 
 
 def read_bandwidth_gbs(repeats: int = 5) -> float:
@@ -208,8 +221,12 @@ def main():
                     samples[(name, task)].append(r["decode"])
                     extra[(name, task)] = r
                     bar.update()
+    # lossless: speculative output against target-only decoding on the same (quantised) weights
+    plain = "sharpdraft target-only, Q4_1 (the file's)"
     decode = [{"config": c, "task": t, "decode_tokens_per_s": statistics.median(v),
-               "samples": v, "prefill_s": extra[(c, t)]["prefill_s"], "tau": extra[(c, t)]["tau"]}
+               "samples": v, "prefill_s": extra[(c, t)]["prefill_s"], "tau": extra[(c, t)]["tau"],
+               **({"identical_to_target_only": extra[(c, t)]["tokens"] == extra[(plain, t)]["tokens"]}
+                  if c.startswith("sharpdraft +") else {})}
               for (c, t), v in samples.items()]
 
     forward = {}
@@ -219,10 +236,7 @@ def main():
         doc = render(tokenizer, [{"role": "user", "content": (LICENCES / "GPL-3").read_text()}])
         for w in ("float32", "gguf"):
             forward[w] = forward_ms(models[w], doc, args.contexts, args.rows, args.repeats)
-            m = models[w]
-            nbytes = sum(x.numel() * x.element_size() for name, x in m.named_buffers()) + sum(
-                (mod.packed.numel() if hasattr(mod, "packed") else mod.weight.numel() * 4)
-                for mod in m.modules() if isinstance(mod, torch.nn.Linear) or hasattr(mod, "packed"))
+            nbytes = weight_bytes(models[w])
             floors[w] = {"weight_bytes": nbytes, "floor_ms": round(1e3 * nbytes / (bw * 1e9), 2)}
 
     quality = {}
@@ -268,6 +282,8 @@ def main():
                 cell += f" ({ratio:.2f}x)"
             if r["tau"] > 1:
                 cell += f" tau {r['tau']:.2f}"
+            if r.get("identical_to_target_only") is False:
+                cell += " (output differs!)"
             cells.append(cell)
         gm = statistics.geometric_mean(ratios) if ratios else float("nan")
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {gm:.2f}x |")

@@ -59,7 +59,8 @@ def test_loaded_model_runs_on_the_blocks(models):
     assert len(mods) == 211 and quant.get_output_embeddings().qtype == "q8_0"
     folder, _ = resolve_target()
     assert (folder / quantized.BLOCKS_FILE.format("gguf")).exists()
-    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp")]
+    assert not [p for p in (folder / "sharpdraft_quant").iterdir() if p.name.startswith(".tmp")]
+    assert not list(folder.glob("quant*.safetensors"))   # only the checkpoint's own shards there
 
 
 def _prompt(tokenizer, task: int = 1):

@@ -689,3 +689,23 @@ def test_query_scale_backward_to_per_head_slopes():
     beta.sum().backward()
     want = [math.log(4096 / 2048), math.log(8192 / 2048)]  # clamped entries contribute 0
     assert slope.grad.tolist() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("hq,hk", [(9, 3), (8, 2), (16, 4)])
+@pytest.mark.parametrize("p", [100, 511, 512, 600, 1400, 3000])
+def test_a_row_decoded_alone_equals_the_same_row_verified(hq, hk, p):
+    """The lossless engine's premise at the kernel: row p's output (causal, position p) is the
+    same bits whether the call holds just it (a decode step, p + 1 keys) or it leads a block of
+    k rows (a verification, p + k keys), whatever k. Step-sized calls split keys at fixed
+    positions, so crossing a split boundary does not change a row's arithmetic."""
+    g = torch.Generator().manual_seed(p + hq)
+    d = 64    # (at most 2 rows per KV head a decode takes the dot-product path: another order)
+    q_all = torch.randn(1, hq, 40, d, generator=g)
+    k_all = torch.randn(1, hk, p + 40, d, generator=g)
+    v_all = torch.randn(1, hk, p + 40, d, generator=g)
+    alone = ext.sharp_attention(q_all[:, :, :1], k_all[:, :, :p + 1], v_all[:, :, :p + 1],
+                                causal=True, mode="none")
+    for k in (2, 8, 16, 40):
+        block = ext.sharp_attention(q_all[:, :, :k], k_all[:, :, :p + k], v_all[:, :, :p + k],
+                                    causal=True, mode="none")
+        assert torch.equal(block[:, :, :1], alone), k

@@ -118,6 +118,9 @@ struct Plan {
   int64_t slots = 0;
 };
 
+// Calls of at most kStepTokens query tokens split their keys in chunks of kStepChunkKeys.
+constexpr int64_t kStepTokens = 128, kStepChunkKeys = 512;
+
 Plan make_plan(const SharpParams& p, int num_threads) {
   const int64_t G = p.heads_q / p.heads_k;
   struct Tile {
@@ -146,13 +149,21 @@ Plan make_plan(const SharpParams& p, int num_threads) {
   }
   Plan plan;
   for (const Tile& t : tiles) {
-    const int64_t s_here = std::min<int64_t>(splits, std::max<int64_t>(1, t.kv_len / 512));
+    // A step-sized call (decode, verification): keys split at fixed absolute positions, so a
+    // row's arithmetic depends on its own keys only, never on how many rows or keys the call
+    // holds (a row decoded alone and the same row verified among others give the same bits:
+    // the lossless engine needs it). A single live chunk merges to exactly the unsplit result.
+    const int64_t s_here =
+        t.len_q <= kStepTokens
+            ? (t.kv_len + kStepChunkKeys - 1) / kStepChunkKeys
+            : std::min<int64_t>(splits, std::max<int64_t>(1, t.kv_len / 512));
     if (s_here == 1) {
       plan.items.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, 0, t.kv_len, -1,
                             t.rows * std::max<int64_t>(t.kv_len, 1)});
       continue;
     }
-    const int64_t chunk = ((t.kv_len + s_here - 1) / s_here + 63) / 64 * 64;
+    const int64_t chunk = t.len_q <= kStepTokens ? kStepChunkKeys
+                                                 : ((t.kv_len + s_here - 1) / s_here + 63) / 64 * 64;
     const int64_t slot0 = plan.slots;
     int64_t n = 0;
     for (int64_t k0 = 0; k0 < t.kv_len; k0 += chunk, ++n) {

@@ -216,7 +216,7 @@ def load_target(source: Optional[str] = None, *, dtype: Union[torch.dtype, str] 
             source is a GGUF file and this CPU runs the largest linear faster from its blocks
             (`quantized.choose_weights`), else dense; "float32" / "bfloat16": dense weights of
             that dtype (overrides `dtype`). Quantised blocks are stored in the converted
-            folder once (`quant_blocks.<mode>.safetensors`). Quantised weights imply float32
+            folder once (`sharpdraft_quant/<mode>.safetensors`). Quantised weights imply float32
             activations.
 
     Returns:

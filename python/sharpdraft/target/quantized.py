@@ -183,7 +183,9 @@ def _linears(model: nn.Module) -> Dict[str, nn.Linear]:
             and (".layers." in f".{name}" or mod is head)}
 
 
-BLOCKS_FILE = "quant_blocks.{}.safetensors"
+# Beside the converted checkpoint, in a subfolder: tools that load every top-level
+# *.safetensors of a checkpoint folder as weight shards (vLLM does) must not see it.
+BLOCKS_FILE = "sharpdraft_quant/{}.safetensors"
 
 
 def cached_blocks(folder: Path, mode: str, build) -> Dict[str, Tuple[torch.Tensor, str]]:
@@ -201,6 +203,7 @@ def cached_blocks(folder: Path, mode: str, build) -> Dict[str, Tuple[torch.Tenso
         tensors = load_file(str(path))
         return {name: (tensors[name], qtypes[name]) for name in tensors}
     blocks = build()
+    path.parent.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     os.close(fd)
     try:
