@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ def llama_cpp(build: bool):
             return None
     print("building llama-cpp-python 0.3.36 (about 10 minutes on 2 cores)", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "llama-cpp-python==0.3.36"],
-                   check=True, env={**__import__("os").environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
+                   check=True, env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "2"})
     from llama_cpp import Llama
     return Llama
 
@@ -223,11 +223,13 @@ def main():
                     bar.update()
     # lossless: speculative output against target-only decoding on the same (quantised) weights
     plain = "sharpdraft target-only, Q4_1 (the file's)"
-    decode = [{"config": c, "task": t, "decode_tokens_per_s": statistics.median(v),
-               "samples": v, "prefill_s": extra[(c, t)]["prefill_s"], "tau": extra[(c, t)]["tau"],
-               **({"identical_to_target_only": extra[(c, t)]["tokens"] == extra[(plain, t)]["tokens"]}
-                  if c.startswith("sharpdraft +") else {})}
-              for (c, t), v in samples.items()]
+    decode = []
+    for (c, t), v in samples.items():
+        row = {"config": c, "task": t, "decode_tokens_per_s": statistics.median(v), "samples": v,
+               "prefill_s": extra[(c, t)]["prefill_s"], "tau": extra[(c, t)]["tau"]}
+        if c.startswith("sharpdraft +"):
+            row["identical_to_target_only"] = extra[(c, t)]["tokens"] == extra[(plain, t)]["tokens"]
+        decode.append(row)
 
     forward = {}
     bw = read_bandwidth_gbs()

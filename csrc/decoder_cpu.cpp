@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstring>
 #include <vector>
 

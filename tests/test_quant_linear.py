@@ -29,7 +29,8 @@ def gguf_blocks(n, k, qtype, seed):
     """A random (n, k) weight quantised by gguf-py: (uint8 blocks tensor, their dequantisation)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = gguf_quants.quantize(w, GGML[qtype])
-    return torch.from_numpy(np.ascontiguousarray(blocks)), gguf_quants.dequantize(blocks, GGML[qtype])
+    deq = gguf_quants.dequantize(blocks, GGML[qtype])
+    return torch.from_numpy(np.ascontiguousarray(blocks)), deq
 
 
 def quantize_ref(x: torch.Tensor):

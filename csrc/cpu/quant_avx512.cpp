@@ -2,6 +2,9 @@
 // u8 x s8 4-way dot product into int32 in one instruction) and without it (maddubs + madd, as
 // AVX2 does, on 16 lanes). AVX-512 has no vpsignb: signed weights give x their sign by a masked
 // negation. Chosen at run time by quant_linear.cpp.
+// GCC 12 reports its own _mm512_undefined_ps (used by _mm512_cvtph_ps / _mm512_cvtepi32_ps in
+// avx512fintrin.h) as maybe-uninitialized once inlined; the value is never read.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <cstring>
 
 #include "cpu/quant_linear.h"
