@@ -54,7 +54,15 @@ def gguf(tmp_path, monkeypatch):
     """A .gguf source file and an empty SHARPDRAFT_HOME; returns (file, expected cache folder)."""
     monkeypatch.setenv("SHARPDRAFT_HOME", str(tmp_path / "home"))
     path = tmp_path / "tiny.gguf"
-    path.write_bytes(b"GGUF not really" * 100)
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")           # a complete, tiny GGUF: one tensor
+    writer.add_tensor("tiny", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return path, tmp_path / "home" / "targets" / digest[:16]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sharpdraft_ext as ext
+from conftest import assert_close_spec
 from sharpdraft.integrations import vllm as plugin
 
 pytestmark = pytest.mark.usefixtures("require_ext")
@@ -248,8 +249,6 @@ def test_scaled_query_through_sdpa_is_the_kernel(device, dtype):
     attention kernel (torch's SDPA, standing in for vLLM's backend) against the sharp kernel on
     the same q / k / v, both judged against the float64 reference (the tolerance rule: at most
     twice the kernel's error, plus 1e-5)."""
-    from conftest import assert_close_spec
-
     g = torch.Generator().manual_seed(7)
     Hq, Hk, D, S, L = 8, 2, 64, 700, 16
     q, k, v = (torch.randn(n, h, D, generator=g) for n, h in ((L, Hq), (S, Hk), (S, Hk)))

@@ -15,15 +15,23 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-import sharpdraft_ext as ext
-from sharpdraft import generate, load_drafter, load_target
-from sharpdraft.data.prompts import render
-from sharpdraft.data.tasks import user_tasks
-from sharpdraft.drafters.export import export_drafter
-from sharpdraft.integrations import vllm as plugin
-from sharpdraft.target.loading import resolve_target
+# vLLM's engine runs in this process (its hooks and observers reachable), with a 1 GiB CPU KV
+# cache (vLLM's CPU default takes most of the machine's memory). No conftest.py here: a second
+# conftest module would shadow tests/conftest.py for the other tests of a full run.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+pytest.importorskip("vllm.entrypoints.llm", reason="vLLM is not installed (scripts/vllm_test.sh)")
+
+import torch  # noqa: E402
+
+import sharpdraft_ext as ext  # noqa: E402
+from sharpdraft import generate, load_drafter, load_target  # noqa: E402
+from sharpdraft.data.prompts import render  # noqa: E402
+from sharpdraft.data.tasks import user_tasks  # noqa: E402
+from sharpdraft.drafters.export import export_drafter  # noqa: E402
+from sharpdraft.integrations import vllm as plugin  # noqa: E402
+from sharpdraft.target.loading import resolve_target  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("require_ext")
 

@@ -64,6 +64,9 @@ def _dequantise(gguf: Path, folder: Path) -> None:
     tokenizer into `folder` as an ordinary safetensors checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .quantized import check_gguf
+
+    check_gguf(gguf)                 # a truncated or corrupt file: one clear error, first
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
@@ -185,9 +188,6 @@ def resolve_target(source: Optional[str] = None) -> Tuple[Path, dict]:
     provenance = {**provenance, "source": str(gguf), "sha256": digest}
     out_dir = sharpdraft_home() / "targets" / digest[:16]
     if not (out_dir / "config.json").exists():  # a conversion renames a complete folder here
-        from .quantized import check_gguf
-
-        check_gguf(gguf)             # a truncated or corrupt file: refused before any work
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         print(f"sharpdraft: converting {gguf.name} to safetensors in {out_dir} (once)",
               file=sys.stderr)  # stdout is for results (generate --json)
