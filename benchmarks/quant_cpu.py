@@ -72,6 +72,22 @@ def tasks(tokenizer):
     return [(name, render(tokenizer, [{"role": "user", "content": text}])) for name, text in out]
 
 
+def without_extra_buffers():
+    """Make llama-cpp-python load models with ggml's extra buffer types off (weight repacking
+    and the AMX matmul): its high-level `Llama` exposes no such switch, so the default model
+    parameters it starts from are wrapped. In 0.3.36 the AMX matmul crashes (SIGSEGV in
+    ggml_backend_amx_mul_mat) on this model on CPUs with AMX."""
+    import llama_cpp
+    import llama_cpp.llama as high_level
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    high_level.llama_cpp.llama_model_default_params = params
+
+
 def llama_run(llm, new_tokens: int):
     def run(ids):
         llm.reset()
@@ -176,11 +192,17 @@ def main():
     p.add_argument("--quality-tokens", type=int, default=512)
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "forward", "quality", "spec"])
     p.add_argument("--build-llama-cpp", action="store_true")
+    p.add_argument("--llama-extra-buffers", choices=["on", "off"], default="on",
+                   help="llama.cpp's extra buffer types (weight repacking, the AMX matmul); "
+                        "off where its AMX matmul crashes (CPUs with AMX, llama-cpp-python "
+                        "0.3.36)")
     p.add_argument("--out", default="benchmarks/results/quant-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     gguf, _ = default_gguf()
     Llama = llama_cpp(args.build_llama_cpp)
+    if Llama is not None and args.llama_extra_buffers == "off":
+        without_extra_buffers()
 
     dense, tokenizer, _ = load_target()
     models = {"float32": dense}
@@ -263,14 +285,16 @@ def main():
     meta = {"new_tokens": n, "rounds": args.rounds, "threads": args.threads,
             "cpu_isa": ext.cpu_isa(), "quant_isa": ext.linear.quant_isa(),
             "prompt_tokens": {t: len(i) for t, i in prompts}, "read_bandwidth_gbs": round(bw, 1),
-            "loads": loads, "gguf": str(gguf)}
+            "loads": loads, "gguf": str(gguf), "llama_extra_buffers": args.llama_extra_buffers}
     names = [t for t, _ in prompts]
     base = "llama.cpp (Q4_1)" if llm is not None else None
     med = {(r["config"], r["task"]): r for r in decode}
     lines = [f"Decode tokens/s (prefill excluded), median of {args.rounds} interleaved rounds, "
              f"{n} new tokens, {args.threads} threads, quantised kernel {meta['quant_isa']}; "
              f"(x) = vs llama.cpp's decode on the same task" + ("" if base else
-             " (llama.cpp not installed)") + "; tau for speculative rows.", "",
+             " (llama.cpp not installed)") + "; tau for speculative rows."
+             + (" llama.cpp ran with its extra buffer types off (--llama-extra-buffers off)."
+                if args.llama_extra_buffers == "off" else ""), "",
              "| configuration | " + " | ".join(names) + " | geomean vs llama.cpp |",
              "|---|" + "---|" * (len(names) + 1)]
     for c in configs:

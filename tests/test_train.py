@@ -718,3 +718,16 @@ def test_every_recipe_main_writes_its_checkpoint(setup, monkeypatch, tmp_path, k
     assert {"best_eval", "evals", "init_from", "drafter_params", "train_data"} <= set(saved)
     drafter = registry.get(kind).cls.load(tmp_path / kind, target=target)
     assert training.recipe_of(drafter) is recipe.RECIPE
+    # continued with another key window: the checkpoint records the new window as its
+    # train_context (the n_ref default), training.json the one it started from
+    option = "--" + recipe.RECIPE.context_option.replace("_", "-")
+    before = drafter.config.train_context
+    args = p.parse_args(["--out", str(tmp_path / "more"), "--steps", "1", "--eval-every", "1",
+                         "--draft-vocab", "0", "--init-from", str(tmp_path / kind), *extra,
+                         option, "40"])
+    recipe.main(args)
+    again = registry.get(kind).cls.load(tmp_path / "more", target=target)
+    assert again.config.train_context == 40 != before
+    assert again.sharp.n_ref == 40
+    saved = json.loads((tmp_path / "more" / "training.json").read_text())
+    assert saved["init_from"]["train_context"] == before

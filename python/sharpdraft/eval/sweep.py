@@ -63,10 +63,12 @@ def sample_anchors(T: int, edges: Sequence[int], per_bucket: int, margin: int,
     return out
 
 
-def scalings(n_ref: int, topk: int = 32) -> Dict[str, SharpConfig]:
-    """The sweep: the mass analysis's suite (frozen, constant beta, fixed slopes, exact_topk)
-    plus slope 0.2 at n_ref x {0.5, 2, 4} (x 1 is "slope 0.2")."""
-    suite = scaling_suite(n_ref, topk)
+def scalings(n_ref: int, topk: int = 32,
+             calibrated: Optional[list] = None) -> Dict[str, SharpConfig]:
+    """The sweep: the mass analysis's suite (frozen, constant beta, fixed slopes, exact_topk,
+    the calibrated per-layer slopes when given) plus slope 0.2 at n_ref x {0.5, 2, 4} (x 1 is
+    "slope 0.2")."""
+    suite = scaling_suite(n_ref, topk, calibrated=calibrated)
     for f in (0.5, 2, 4):
         suite[f"slope 0.2, n_ref x{f:g}"] = SharpConfig(mode="fixed_slope", slope=0.2,
                                                        n_ref=max(1, int(n_ref * f)))
@@ -89,7 +91,7 @@ def run(target, drafter, features, layer_ids: List[int], *, drafter_name: str,
         ValueError: `only` names a scaling the sweep does not have (the message lists them).
     """
     n_ref = drafter.sharp.n_ref
-    base = scalings(n_ref)
+    base = scalings(n_ref, calibrated=getattr(drafter.config, "sharp_slopes", None))
     if only:
         unknown = [n for n in only if n not in base]
         if unknown:

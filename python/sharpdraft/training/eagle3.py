@@ -201,6 +201,6 @@ def _plan(args, drafter: Eagle3Drafter, target, train, held, continued: bool) ->
 
 
 RECIPE = Recipe("eagle3", Eagle3Drafter, arguments, _build, _plan, check=_check,
-                anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
+                context_option="window", anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
 add_arguments = RECIPE.add_arguments
 main = RECIPE.main

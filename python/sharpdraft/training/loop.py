@@ -414,6 +414,9 @@ class Recipe:
     that reads exactly `evenly_spaced_layers(L, n)` (a continued checkpoint: its own layers).
     check(args): refuses bad flag combinations (SystemExit) before any work.
     eval_at_start: always evaluate before the first step (otherwise only a continued run).
+    context_option: the option (args attribute) whose value the drafter records as
+    config.train_context, its n_ref default: a continued run (`--init-from`) records its own,
+    since the drafter's attention then adapts to that many keys.
 
     Hooks the evaluations read instead of switching on drafter kinds:
     anchor_leads(drafter, target, seq, anchors) -> (A,) int64 leading drafts equal to the
@@ -433,6 +436,7 @@ class Recipe:
     eval_at_start: bool = False
     anchor_leads: Optional[Callable[..., torch.Tensor]] = None
     walk_evaluate: Optional[Callable[..., dict]] = None
+    context_option: str = "seq_len"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         """The recipe's flags on `p` (the registry's recipe contract)."""
@@ -482,6 +486,8 @@ def run_recipe(recipe: Recipe, args: argparse.Namespace) -> dict:
     init = None
     if args.init_from:
         drafter, init = init_from_checkpoint(recipe.drafter_cls, args.init_from, target)
+        init["train_context"] = drafter.config.train_context
+        drafter.config.train_context = int(getattr(args, recipe.context_option))
         init_layers = None
     else:
         drafter, init_layers = recipe.build(args, target, tokenizer, train)

@@ -189,6 +189,6 @@ def _plan(args, drafter: PARDDrafter, target, train, held, continued: bool) -> P
 
 
 RECIPE = Recipe("pard", PARDDrafter, arguments, _build, _plan, check=_check,
-                anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
+                context_option="window", anchor_leads=anchor_leads, walk_evaluate=walk_evaluate)
 add_arguments = RECIPE.add_arguments
 main = RECIPE.main
