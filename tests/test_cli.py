@@ -140,14 +140,15 @@ def test_bench_table_summarises_each_kind():
                 "dflash-sharp": {"tau": ts, "speedup": ss, "decode_speedup": 2 * ss,
                                  "identical_to_ar": True}}
     md = markdown_table([row("kjv-1", "kjv", 1.2, 0.5, 1.4, 0.25), row("kjv-2", "kjv", 1.6, 2.0, 1.8, 4.0),
-                         row("maths-0", "maths", 2.0, 1.0, 2.0, 1.0)],
+                         row("maths-0", "maths", 2.0, 1.0, 2.5, 1.5)],
                         {"max_new_tokens": 8, "slope": 0.2, "n_ref": 64, "block_size": 4})
     assert md.count("\n| kjv-") == 2
-    # means by hand: tau (1.2 + 1.6) / 2, speedup sqrt(0.5 * 2) and sqrt(0.25 * 4)
-    assert ("kjv (2 prompts): dflash-frozen: mean tau 1.400, geomean speedup 1.000x (decode "
-            "2.000x); dflash-sharp: mean tau 1.600, geomean speedup 1.000x (decode 2.000x).") in md
     assert "| kjv-1 | 100 | 4.0 | dflash | 1.200 | 0.500x | 1.000x | 1.400 | 0.250x | 0.500x |" in md
-    assert "maths (1 prompts): dflash-frozen: mean tau 2.000" in md
+    # by category, by hand: kjv tau (1.2 + 1.6) / 2 and decode speedup sqrt(1 * 4); sharp
+    # kjv sqrt(0.5 * 8), maths 3; the last column sqrt(2 * 2) and sqrt(2 * 3)
+    assert "| drafter | kjv | maths | geomean |" in md
+    assert "| dflash-frozen | 2.00x (1.40) | 2.00x (2.00) | 2.00x |" in md
+    assert "| dflash-sharp | 2.00x (1.60) | 3.00x (2.50) | 2.45x |" in md
 
 
 def test_run_bench_writes_rows_for_every_variant(tmp_path):
@@ -178,6 +179,9 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
     assert saved["settings"]["target_dtype"] == "float32"
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
+    assert (tmp_path / "speedup_by_kind.png").stat().st_size > 1000
+    assert set(saved["by_kind"]) == {f"eagle3-{v}-{m}" for v in ("chain", "tree")
+                                     for m in ("frozen", "sharp")}
     # the weights benched are named by content: the same module twice gives one digest, and
     # a change of one weight (by hand, independent of the digest code) gives another
     from sharpdraft.eval.bench import weights_sha256

@@ -178,9 +178,16 @@ def _bench_prompts(target, tokenizer, args, maths: int) -> list:
         ValueError naming the flag: an unreadable --corpus, no prompt at all, or a prompt that
             leaves no room for --max-new-tokens.
     """
-    from ..eval.bench import build_prompts, corpus_prompts
+    from ..eval.bench import build_prompts, corpus_prompts, suite_prompts
 
-    prompts = build_prompts(tokenizer, args.lengths, maths)
+    if getattr(args, "suite", None) == "tasks":
+        from ..data.tasks import SUITE
+        try:
+            prompts = suite_prompts(tokenizer, args.categories or SUITE)
+        except ValueError as err:
+            raise ValueError(f"--categories: {describe_error(err)}") from err
+    else:
+        prompts = build_prompts(tokenizer, args.lengths, maths)
     if args.corpus_prompts:
         try:
             prompts += corpus_prompts(args.corpus, args.corpus_prompts)
@@ -195,24 +202,19 @@ def _bench_prompts(target, tokenizer, args, maths: int) -> list:
 
 def cmd_bench(args) -> dict:
     """`sharpdraft bench`: sharpdraft.eval.bench.run_bench over KJV passages (--lengths), maths
-    problems (--maths) and held-out corpus prompts (--corpus-prompts)."""
-    from ..eval.bench import run_bench
+    problems (--maths) or the held-out task suite (--suite tasks), and held-out corpus prompts
+    (--corpus-prompts)."""
+    from ..eval.bench import bench_variants, run_bench
 
     target, tokenizer, provenance = load_target_for(args)
     prompts = _bench_prompts(target, tokenizer, args, args.maths)
     drafter = build_drafter(target, tokenizer, args)
-    variants = {}
-    for suffix, d in drafter.sharp_variants().items():     # where SharpDraft may act
-        label = args.drafter + (f"-{suffix}" if suffix else "")
-        if registry.get(args.drafter).trees:
-            variants.update({f"{label}-chain": (d, False), f"{label}-tree": (d, True)})
-        else:
-            variants[label] = (d, False)
+    variants = bench_variants(args.drafter, drafter, registry.get(args.drafter).trees)
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
                      Path(args.out), draft_threshold=args.draft_threshold,
                      target_info=provenance)
     print((Path(args.out) / "bench.md").read_text())
-    print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png")
+    print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png, speedup_by_kind.png")
     return {"target": provenance, "runs": len(rows)}
 
 

@@ -139,6 +139,12 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="AR vs a frozen drafter vs the drafter + SharpDraft on real "
                                      "prompts")
     _common(b)
+    b.add_argument("--suite", choices=["tasks"], default=None,
+                   help="tasks: the held-out task suite (story / chat, code, maths, questions "
+                        "on 2k / 4k / 6k-token documents; sharpdraft.data.tasks.suite) instead "
+                        "of --lengths and --maths; a table by category")
+    b.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
+                   help="with --suite tasks: only these categories (default: all)")
     b.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 6144],
                    help="KJV passage lengths in tokens")
     b.add_argument("--maths", type=int, default=4, help="number of champ-dataset problems")

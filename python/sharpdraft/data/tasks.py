@@ -6,12 +6,18 @@ corpus or training run.
 - document: a licence text from /usr/share/common-licenses (held out from every corpus:
   `sources` never reads it) followed by a question about it. "Artistic" is about 1.4k tokens
   with the SmolLM2 tokenizer.
+
+`suite` is the held-out task suite of `sharpdraft bench --suite tasks`: a few prompts per
+category (`SUITE`): story / chat and code requests written here, held-out competition maths
+problems (the first `sources.CHAMP_HELD_OUT` of champ-dataset, never in a corpus) and
+questions on licence documents cut to about 2k, 4k and 6k tokens.
 """
 from __future__ import annotations
 
+import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Sequence, Tuple
 
 LICENCES = Path("/usr/share/common-licenses")
 
@@ -45,3 +51,97 @@ def user_tasks(licence: str = "Artistic") -> List[Task]:
                                 f"base-files installs /usr/share/common-licenses)")
     return [Task("story", STORY), Task("code", CODE),
             Task("document", f"{path.read_text()}\n\n{QUESTION}")]
+
+
+# ----- the held-out task suite -----------------------------------------------------------------
+CHAT = (
+    STORY,
+    "Write a friendly letter to a neighbour thanking them for looking after my cat while I was "
+    "away, and offer to return the favour.",
+    "Write a short poem about the first snow of winter in a small town.",
+    "I have a free weekend and a small budget. Suggest five things I could do at home or nearby, "
+    "with a sentence on each.",
+)
+CODING = (
+    CODE,
+    "Write a Python class for a fixed-size ring buffer with append, pop and a method that "
+    "returns the items in order. Add a short usage example.",
+    "Write a Python function that counts how often each word appears in a text file and "
+    "prints the ten most common words.",
+)
+# (documents, question) per size: licence texts cut to about `size` tokens
+DOCUMENTS: Dict[int, Tuple[Tuple[str, str], ...]] = {
+    2048: (("Apache-2.0", "What does this licence require of someone who redistributes the "
+                          "work? Answer in a few sentences."),
+           ("MPL-2.0", "Summarise the main conditions of this document as five bullet points.")),
+    4096: (("GPL-2", "Explain in plain words what a person who modifies this program and gives "
+                     "it to others must do."),
+           ("GFDL-1.3", "What is this document about, and who is it meant for? Answer in a "
+                        "short paragraph.")),
+    6144: (("LGPL-2.1", "How does this licence treat a program that only links to the library? "
+                        "Answer briefly."),
+           ("GPL-3", "List the obligations this text places on someone who conveys the work, "
+                     "in a few sentences.")),
+}
+SUITE = ("story", "code", "maths", "doc-2k", "doc-4k", "doc-6k")
+
+
+def cut_document(tokenizer, name: str, tokens: int) -> str:
+    """The licence text `name` cut to its first `tokens` tokens of the target's tokenizer, at a
+    line end (the whole text when it is shorter).
+
+    Raises:
+        FileNotFoundError naming the file: the licence text is missing.
+    """
+    path = LICENCES / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the document task's text is missing (Debian's "
+                                f"base-files installs /usr/share/common-licenses)")
+    text = path.read_text()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= tokens:
+        return text
+    cut = tokenizer.decode(ids[:tokens])
+    return cut[:cut.rfind("\n")] if "\n" in cut else cut
+
+
+def suite(tokenizer, categories: Sequence[str] = SUITE, maths: int = 2) -> List[dict]:
+    """The held-out task suite: [{"name", "kind" (the category), "text"}], in `SUITE` order.
+
+    Args:
+        tokenizer: the target's tokenizer (documents are cut to a token count).
+        categories: a subset of `SUITE`.
+        maths: held-out champ-dataset problems in the maths category.
+
+    Raises:
+        ValueError: an unknown category.
+        ModuleNotFoundError saying how to install it: "maths" asked for and champ-dataset absent.
+        FileNotFoundError naming the file: a licence text is missing.
+    """
+    unknown = [c for c in categories if c not in SUITE]
+    if unknown:
+        raise ValueError(f"--suite categories: unknown {unknown}; known: {list(SUITE)}")
+    out = []
+    for c in SUITE:
+        if c not in categories:
+            continue
+        if c == "story":
+            out += [{"name": f"story-{i}", "kind": c, "text": t} for i, t in enumerate(CHAT)]
+        elif c == "code":
+            out += [{"name": f"code-{i}", "kind": c, "text": t} for i, t in enumerate(CODING)]
+        elif c == "maths":
+            from . import sources
+            try:
+                problems = sources.champ_problems()[:min(maths, sources.CHAMP_HELD_OUT)]
+            except importlib.metadata.PackageNotFoundError:
+                raise ModuleNotFoundError("the suite's maths category needs champ-dataset: pip "
+                                          "install champ-dataset==1.0.0") from None
+            out += [{"name": f"maths-{i}", "kind": c,
+                     "text": f"{p['problem']}\nSolve it step by step."}
+                    for i, p in enumerate(problems)]
+        else:
+            size = {"doc-2k": 2048, "doc-4k": 4096, "doc-6k": 6144}[c]
+            out += [{"name": f"{c}-{name}", "kind": c,
+                     "text": f"{cut_document(tokenizer, name, size)}\n\n{question}"}
+                    for name, question in DOCUMENTS[size]]
+    return out

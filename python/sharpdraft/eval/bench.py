@@ -90,6 +90,31 @@ def build_prompts(tokenizer, lengths: List[int], n_maths: int) -> List[dict]:
     return prompts
 
 
+def suite_prompts(tokenizer, categories) -> List[dict]:
+    """[{name, kind (the category), ids}]: the held-out task suite (`data.tasks.suite`) in the
+    target's chat template."""
+    from ..data.prompts import render
+    from ..data.tasks import suite
+
+    return [{"name": p["name"], "kind": p["kind"],
+             "ids": torch.tensor([render(tokenizer, [{"role": "user", "content": p["text"]}])])}
+            for p in suite(tokenizer, categories)]
+
+
+def bench_variants(kind: str, drafter, trees: bool) -> Dict[str, tuple]:
+    """{label: (drafter, tree)} for `run_bench`: every place SharpDraft may act on the drafter
+    (`drafter.sharp_variants()`, labelled "<kind>-<suffix>"), each with chain drafting and, for
+    a kind that drafts trees (`trees`), tree drafting ("-chain" / "-tree")."""
+    variants = {}
+    for suffix, d in drafter.sharp_variants().items():
+        label = kind + (f"-{suffix}" if suffix else "")
+        if trees:
+            variants.update({f"{label}-chain": (d, False), f"{label}-tree": (d, True)})
+        else:
+            variants[label] = (d, False)
+    return variants
+
+
 def weights_sha256(module: torch.nn.Module) -> str:
     """Hex sha256 of a module's state (each entry's name, dtype, shape and bytes, in order): which
     weights a benchmark ran, whatever folder they were loaded from."""
@@ -167,8 +192,11 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             "max_drafts": {label: (d.max_tree_nodes if tree else d.max_drafts)
                            for label, (d, tree) in variants.items()},
             "drafter_sha256": {label: weights_sha256(d) for label, (d, _) in variants.items()}}
-    write_report(out_dir, "bench", {"settings": meta, "runs": rows}, markdown_table(rows, meta))
+    write_report(out_dir, "bench", {"settings": meta, "runs": rows,
+                                    "by_kind": by_kind(rows, meta["variants"])},
+                 markdown_table(rows, meta))
     plot_tau(rows, meta["variants"], out_dir / "tau_vs_context.png")
+    plot_kinds(rows, meta["variants"], out_dir / "speedup_by_kind.png")
     return rows
 
 
@@ -213,17 +241,56 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
                          f"{_x(f.get('decode_speedup'))} | {s['tau']:.3f} | {_x(s['speedup'])} | "
                          f"{_x(s.get('decode_speedup'))} | "
                          f"{f['identical_to_ar'] and s['identical_to_ar']} |")
-    for kind in sorted({r["kind"] for r in rows}):
-        sel = [r for r in rows if r["kind"] == kind]
-        cells = []
-        for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
-            tau = sum(r[name]["tau"] for r in sel) / len(sel)
-            speed = _geomean(r[name]["speedup"] for r in sel)
-            dspeed = _geomean(r[name].get("decode_speedup") for r in sel)
-            cells.append(f"{name}: mean tau {tau:.3f}, geomean speedup {speed:.3f}x "
-                         f"(decode {dspeed:.3f}x)")
-        lines.append(f"\n{kind} ({len(sel)} prompts): " + "; ".join(cells) + ".")
+    summary = by_kind(rows, variants)
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    lines += ["", "By category: mean tau and geometric-mean decode speedup over its prompts; the "
+              "last column is the geometric mean of the category speedups.", "",
+              "| drafter | " + " | ".join(kinds) + " | geomean |",
+              "|---|" + "---:|" * (len(kinds) + 1)]
+    for name in summary:
+        cells = [f"{summary[name][k]['decode_speedup']:.2f}x ({summary[name][k]['tau']:.2f})"
+                 for k in kinds]
+        lines.append(f"| {name} | " + " | ".join(cells)
+                     + f" | {summary[name]['geomean_decode_speedup']:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def by_kind(rows: List[dict], variants: List[str]) -> Dict[str, dict]:
+    """{"<variant>-frozen|sharp": {kind: {"prompts", "tau" (mean), "speedup",
+    "decode_speedup" (geometric means)}, "geomean_decode_speedup": over the kinds}}, kinds in
+    the order the rows first show them."""
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    out = {}
+    for name in (f"{v}-{m}" for v in variants for m in ("frozen", "sharp")):
+        per = {}
+        for kind in kinds:
+            sel = [r for r in rows if r["kind"] == kind]
+            per[kind] = {"prompts": len(sel),
+                         "tau": sum(r[name]["tau"] for r in sel) / len(sel),
+                         "speedup": _geomean(r[name]["speedup"] for r in sel),
+                         "decode_speedup": _geomean(r[name].get("decode_speedup")
+                                                    for r in sel)}
+        per["geomean_decode_speedup"] = _geomean(per[k]["decode_speedup"] for k in kinds)
+        out[name] = per
+    return out
+
+
+def plot_kinds(rows: List[dict], variants: List[str], path: Path) -> None:
+    """Grouped bars: geometric-mean decode speedup per prompt kind (category), one bar per
+    drafter variant and mode, a line at 1x (target-only decoding)."""
+    summary = by_kind(rows, variants)
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    fig, ax = figure(figsize=(max(6, 1.3 * len(kinds) * max(1, len(summary)) / 3), 4))
+    width = 0.8 / len(summary)
+    for j, (name, per) in enumerate(summary.items()):
+        ax.bar([i + j * width for i in range(len(kinds))],
+               [per[k]["decode_speedup"] for k in kinds], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(kinds))], kinds)
+    ax.set_ylabel("decode speedup over target-only")
+    ax.set_title("speedup by category")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def plot_tau(rows: List[dict], variants: List[str], path: Path) -> None:

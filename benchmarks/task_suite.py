@@ -1,0 +1,45 @@
+"""The held-out task suite (`sharpdraft.data.tasks.suite`) for several drafters in one run:
+target-only decoding once per prompt, then every drafter frozen and with SharpDraft, on the
+default runtime (`--weights auto`, `--dtype auto`, as the command line), so every speedup is
+against target-only decoding in the same process. Writes bench.json / bench.md (a table per
+prompt and one by category) / speedup_by_kind.png to --out.
+
+    python benchmarks/task_suite.py --out benchmarks/results/tasks-cpu
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import sharpdraft
+from sharpdraft.data.tasks import SUITE
+from sharpdraft.drafters import registry
+from sharpdraft.eval.bench import bench_variants, run_bench, suite_prompts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--drafters", nargs="+", default=["dflash", "eagle3", "pard", "longspark"])
+    p.add_argument("--categories", nargs="+", default=list(SUITE), choices=SUITE)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/tasks-cpu")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer, info = sharpdraft.load_target(weights=args.weights, dtype=args.dtype)
+    variants = {}
+    for kind in args.drafters:
+        drafter = sharpdraft.load_drafter(kind, target, tokenizer=tokenizer)
+        variants.update(bench_variants(kind, drafter, registry.get(kind).trees))
+    prompts = suite_prompts(tokenizer, args.categories)
+    run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, None, Path(args.out),
+              target_info=info)
+    print((Path(args.out) / "bench.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
