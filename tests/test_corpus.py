@@ -62,6 +62,13 @@ def fake_documents(source, split):
         return [{"source": "humaneval", "name": f"{tag}/h{i}",
                  "chat": (f"Complete this Python function.\n\ndef h{i}(x):\n    \"\"\"the lord\"\"\"\n",
                           "")} for i in range(3)]
+    if source in ("pydoc", "debdoc", "man"):          # one short document, one long one
+        return [{"source": source, "name": f"{tag}{source}{i}",
+                 "text": "\n\n".join(_verses(rng, 3) for _ in range(n))}
+                for i, n in enumerate((12, 40))]
+    if source == "compose":
+        return [{"source": "compose", "name": f"{tag}s{i}", "text": f"the earth {tag}{i}"}
+                for i in range(2)]
     return [{"source": "stdlib", "name": f"{tag}m{i}.py",
              "text": "\n\n".join(FUNCTION.format(n=n) for n in range(4))} for i in range(2)]
 
@@ -70,6 +77,18 @@ def fake_documents(source, split):
 def short_passages(monkeypatch):
     monkeypatch.setattr(prompt_set, "PASSAGE_CHARS", (100, 300))
     monkeypatch.setattr(prompt_set, "FUNCTION_CHARS", (50, 2000))
+    monkeypatch.setattr(prompt_set, "SECTION_CHARS", (100, 300))
+    monkeypatch.setattr(prompt_set, "LONG_CHARS", (2500, 3000))
+    monkeypatch.setattr(prompt_set, "LONG_SHARE", 1.0)
+
+
+def every_kind(sources=None):
+    """{(source, kind)} the prompt set can hold: KINDS, plus the long kinds of the
+    documentation sources."""
+    sources = sources or corpus.KINDS
+    return ({(s, k) for s in sources for k in corpus.KINDS[s]}
+            | {(s, k) for s in ("pydoc", "debdoc", "man") if s in sources
+               for k in prompt_set.LONG_KINDS})
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +129,17 @@ def test_prompt_set_is_deterministic_and_covers_every_source_and_kind():
     assert corpus.prompts_digest(a) != corpus.prompts_digest(c)
     for prompts in (a, c):
         have = {(p.source, p.kind) for p in prompts}
-        assert have == {(s, k) for s, kinds in corpus.KINDS.items() for k in kinds}
+        assert have == every_kind()
 
 
 def test_prompt_set_of_the_real_heldout_sources_covers_every_kind():
     prompts, unavailable = corpus.build_prompts("heldout", 0)
-    assert unavailable == []
+    # documentation and manual pages depend on the machine; the packaged sources do not
+    assert set(unavailable) <= {"debdoc", "man"}
     have = {(p.source, p.kind) for p in prompts}
-    assert have == {(s, k) for s, kinds in corpus.KINDS.items() for k in kinds}
+    base = every_kind([s for s in corpus.KINDS if s not in unavailable])
+    # every short kind of every source; long stretches only where a document is long enough
+    assert {(s, k) for s, k in base if not k.startswith("long_")} <= have <= base
     assert {p.doc for p in prompts if p.source == "kjv"} == set(data.KJV_HELD_OUT_BOOKS)
     bug = next(p for p in prompts if p.kind == "find_bug")
     assert "```python" in bug.user and bug.followup
@@ -519,3 +541,33 @@ def test_nucleus_sampling_draws_from_exactly_the_nucleus(spread):
     freq = torch.bincount(draws, minlength=200).double() / n
     assert float(freq[want == 0].sum()) == 0.0                # nothing outside the nucleus
     assert float((freq - want).abs().max()) < 4 * math.sqrt(float(want.max()) / n) + 1e-3
+
+
+def test_resume_on_a_machine_with_other_documents_skips_what_the_corpus_holds(target, tmp_path,
+                                                                               capsys):
+    """A corpus resumed where the documentation differs goes on with that machine's prompt set
+    and never repeats a first turn it holds; the change is said and recorded."""
+    model, tok = target
+    run(model, tok, tmp_path / "c", max_shards=2)
+
+    def other_documents(source, split):        # one more document on the second machine
+        docs = fake_documents(source, split)
+        if source == "compose":
+            docs = docs + [{"source": "compose", "name": f"X{split}", "text": "the night"}]
+        return docs
+    before = corpus.read_manifest(tmp_path / "c")
+    m = corpus.generate_corpus(model, tok, tmp_path / "c", 10 ** 9, SETTINGS,
+                               documents=other_documents, max_shards=2, progress=False,
+                               provenance={"source": "tiny", "sha256": "ab" * 32})
+    assert "prompt set differs" in capsys.readouterr().err
+    new = m["shards"][2:]
+    assert {sh["prompt_set"] for sh in new} == {
+        corpus.prompts_digest(corpus.build_prompts(sh["split"], 0, documents=other_documents)[0])
+        for sh in new}
+    for split in data.SPLITS:                                # no first turn twice
+        firsts = [r["key"] for sh in m["shards"] if sh["split"] == split
+                  for r in sh["sequences"] if r["turns"] == 1]
+        assert len(firsts) == len(set(firsts))
+    held = {(sh["split"], r["key"]) for sh in before["shards"] for r in sh["sequences"]}
+    assert not held & {(sh["split"], r["key"]) for sh in new for r in sh["sequences"]}
+    assert {h["split"] for h in m["prompt_set_history"]} == {sh["split"] for sh in new}

@@ -379,7 +379,7 @@ def cmd_data(args) -> dict:
         raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the target's context of "
                          f"{limit} (max_position_embeddings)")
     manifest = corpus.generate_corpus(target, tokenizer, args.out, args.tokens, settings,
-                                      provenance=provenance)
+                                      provenance=provenance, sources=args.sources)
     return {"out": str(args.out), "manifest": str(Path(args.out) / corpus.MANIFEST),
             "shards": len(manifest["shards"]), "counts": manifest["counts"],
             "throughput": manifest["throughput"]}

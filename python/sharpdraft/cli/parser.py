@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from ..data.sources import SOURCES
 from ..drafters import registry
 from ..target.loading import DTYPES
 from ..target.quantized import WEIGHTS
@@ -186,7 +187,8 @@ def parser() -> argparse.ArgumentParser:
     dg = actions.add_parser(
         "generate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="generate (or resume) a self-distilled corpus: batched target responses to "
-             "prompts from the KJV, champ, HumanEval and stdlib sources (sharpdraft.data.corpus)")
+             "prompts from the KJV, champ, HumanEval, stdlib, docstring, package "
+             "documentation, manual page and writing-request sources (sharpdraft.data.corpus)")
     leaves["data", "generate"] = dg
     dg.add_argument("--out", required=True, help="corpus folder (an existing one is resumed)")
     dg.add_argument("--tokens", type=int, required=True,
@@ -208,6 +210,9 @@ def parser() -> argparse.ArgumentParser:
                     help="prompt + --max-new-tokens must fit in this (longer prompts skipped)")
     dg.add_argument("--heldout-every", type=int, default=20,
                     help="one shard in this many is held out (0: none)")
+    dg.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                    help="prompt sources (default: all; one missing on this machine is skipped "
+                         "and recorded)")
     dg.add_argument("--temperature", type=float, default=0.7, help="of the sampled batches")
     dg.add_argument("--top-p", type=float, default=0.8, help="of the sampled batches")
     a = sub.add_parser("analyze", help="analyses of attention-mass dilution (sharpdraft.eval)")

