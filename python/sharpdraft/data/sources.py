@@ -20,9 +20,9 @@ Sources (each document is a dict ``{"source", "name", "text"}``, optionally with
   written here (`COMPOSE_SUBJECTS`); none of them is a task of the held-out suite.
 
 No licence text reaches any source: ``/usr/share/common-licenses`` is held out for evaluation,
-``copyright`` files and changelogs are never read, a document that quotes a licence (`LICENCE_MARKERS`)
-is dropped, and every paragraph that mentions a licence is removed from the rest
-(`without_licences`).
+``copyright`` files and changelogs are never read, a document that quotes a licence
+(`LICENCE_MARKERS`) is dropped, and every paragraph that mentions a licence is removed from the
+rest (`without_licences`).
 
 Splits are deterministic. Held out (never trained on): the whole book of Genesis (the passages
 ``sharpdraft bench`` measures on), the first ``CHAMP_HELD_OUT`` champ problems (the bench uses the
@@ -410,7 +410,7 @@ def pydoc_documents(split: str) -> List[dict]:
             for d in stdlib_documents(split)]
 
 
-# ----- compose: subjects of writing requests, written here -----------------------------------------
+# ----- compose: subjects of writing requests, written here ---------------------------------------
 COMPOSE_SUBJECTS = (
     "a baker who opens her shop before dawn", "two old friends meeting after twenty years",
     "a train journey across the mountains", "a child's first day at a new school",
