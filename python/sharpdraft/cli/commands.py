@@ -373,7 +373,7 @@ def cmd_data(args) -> dict:
                                seed=args.seed, batches_per_shard=args.batches_per_shard,
                                temperature=args.temperature, top_p=args.top_p,
                                heldout_every=args.heldout_every, max_seq_len=args.max_seq_len,
-                               dtype=args.dtype)
+                               dtype=args.dtype, weights=args.weights)
     limit = getattr(target.config, "max_position_embeddings", None)
     if limit is not None and args.max_seq_len > limit:
         raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the target's context of "

@@ -51,7 +51,8 @@ class Settings:
     the shard, to pad little) plus one batch of up to `batch` follow-ups (the shortest); every
     `sample_every`-th batch samples (temperature, top_p), the others are greedy. Shard k belongs
     to the held-out split when k % heldout_every == heldout_every // 2 (0: no held-out shards).
-    A prompt whose ids plus max_new_tokens exceed max_seq_len is skipped.
+    A prompt whose ids plus max_new_tokens exceed max_seq_len is skipped. A corpus made before
+    a field existed is resumed without comparing it.
     """
 
     batch: int = 16
@@ -64,6 +65,7 @@ class Settings:
     heldout_every: int = 20
     max_seq_len: int = 1024
     dtype: str = "float32"
+    weights: str = "dense"      # the target's linear weights (`load_target(weights=...)`)
 
 
 RESCHEDULABLE = ("batch", "batches_per_shard")   # how prompts are grouped, not what they are
