@@ -48,7 +48,7 @@ except ImportError:  # progress is optional
 import sharpdraft_ext as ext
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SLOPE, N_REF = 0.2, 2048  # SPEC §1 defaults (Qwen/Llama drafters)
+SLOPE, N_REF = 0.2, 2048  # spec §1 defaults (Qwen/Llama drafters)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def tree_mask(Lq: int, Lk: int, gen: torch.Generator) -> torch.Tensor:
 # Methods
 # ---------------------------------------------------------------------------------------------
 def row_counts(s: Shape, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """n_i per query row (Lq,), from the mask actually applied (SPEC §2)."""
+    """n_i per query row (Lq,), from the mask actually applied (spec §2)."""
     if mask is not None:
         return mask.sum(-1)
     if s.causal:  # bottom-right: row i sees i + Lk - Lq + 1 keys
@@ -115,7 +115,7 @@ def row_counts(s: Shape, mask: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def beta_torch(n: torch.Tensor) -> torch.Tensor:
-    """beta_fixed(n) = max(1, 1 + slope ln(n / n_ref)), in float32 (SPEC §1, §3)."""
+    """beta_fixed(n) = max(1, 1 + slope ln(n / n_ref)), in float32 (spec §1, §3)."""
     return (1.0 + SLOPE * torch.log(n.to(torch.float32) / N_REF)).clamp_min(1.0)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Decoding tau and speed by context length for every shipped drafter, frozen against SharpDraft
-# (issue 16's "tau by context 1k-7k"): Genesis passages of 1k-7k tokens plus a summary task,
+# by context, 1k-7k tokens: Genesis passages of 1k-7k tokens plus a summary task,
 # 128 new tokens, float32, 2 threads, each against target-only decoding in the same run.
 # Run with nothing else on the machine; writes benchmarks/results/context-cpu/bench-<drafter>/.
 #   bash benchmarks/context_cpu.sh [DRAFTERS]      (default: "dflash eagle3 pard")

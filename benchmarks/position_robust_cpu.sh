@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 4 (CPU, 2 threads): does position-robust training or a context window keep
+# CPU, 2 threads: does position-robust training or a context window keep
 # DFlash accurate past its 1,024-token training length, and does SharpDraft add to either?
 # Two 12-minute continuations of the stage-2 DFlash checkpoint on the same corpus conversations,
 # one plain and one with --position-skip 0.5 (the one shipped as stage 2b), then the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 4 for EAGLE-3 (CPU, 2 threads): does position-robust training keep EAGLE-3
+# EAGLE-3, CPU, 2 threads: does position-robust training keep EAGLE-3
 # accurate past its 512-token training windows, with or without a context window of 512 and
 # SharpDraft? The ablation: the stage-3 checkpoint (shipped until stage 4 continued it; taken
 # from git history here) is 14 minutes of plain training from

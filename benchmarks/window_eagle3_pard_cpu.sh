@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16, item 4 for EAGLE-3 and PARD (CPU, 2 threads): does a context window of n_ref = 512
+# EAGLE-3 and PARD, CPU, 2 threads: does a context window of n_ref = 512
 # (their training length) keep them accurate on long contexts, and does SharpDraft add to it?
 # The teacher-forced sweep (frozen vs slope 0.2, by context bucket, the held-out texts of 7,168
 # tokens: 2 of the 3 asked for exist) of the shipped checkpoints with and without --context-window 512. Both drafters'

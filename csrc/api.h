@@ -1,6 +1,6 @@
 // api.h: argument checks and SharpParams construction for the torch bindings (CPU and CUDA).
 //
-// Every check of SPEC.md §5 runs here, before anything is allocated or computed; each
+// Every check of spec §5 runs here, before anything is allocated or computed; each
 // message names the offending argument. Header-only so both extension modules share it.
 #pragma once
 
@@ -106,7 +106,7 @@ inline void check_window(bool causal, std::optional<int64_t> window) {
   TORCH_CHECK_VALUE(*window >= 1, "window must be >= 1, got ", *window);
 }
 
-// beta(n) arguments (SPEC §1, §5) and the per-head slope tensor's shape and dtype; fills `sp`.
+// beta(n) arguments (spec §1, §5) and the per-head slope tensor's shape and dtype; fills `sp`.
 inline void check_scale_args(ScaleParams& sp, std::optional<double> scale, c10::string_view mode,
                              double slope, const std::optional<at::Tensor>& slope_per_head,
                              int64_t n_ref, int64_t topk, double contrast, double beta_min,
@@ -196,7 +196,7 @@ inline void set_scaling(Prepared& pr, const std::optional<at::Tensor>& slope_per
 
 }  // namespace detail
 
-// Shapes, dtypes, devices and scalar arguments of a dense call (SPEC §2, §4, §5); see above.
+// Shapes, dtypes, devices and scalar arguments of a dense call (spec §2, §4, §5); see above.
 inline void check_dense_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              bool causal, std::optional<int64_t> window,
                              const std::optional<at::Tensor>& attn_mask,
@@ -237,7 +237,7 @@ inline void check_dense_meta(const at::Tensor& q, const at::Tensor& k, const at:
   if (n_visible.has_value()) detail::check_n_visible_meta(*n_visible, {B, Hq, Lq}, q.device());
 }
 
-// Dense layout (SPEC §2, §4): q (B, Hq, Lq, D), k/v (B, Hk, Lk, D).
+// Dense layout (spec §2, §4): q (B, Hq, Lq, D), k/v (B, Hk, Lk, D).
 inline Prepared prepare_dense(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               bool causal, std::optional<int64_t> window,
                               const std::optional<at::Tensor>& attn_mask,
@@ -311,7 +311,7 @@ inline Prepared prepare_dense(const at::Tensor& q, const at::Tensor& k, const at
   return pr;
 }
 
-// Shapes, dtypes, devices and scalar arguments of a varlen call (SPEC §4, §5); see above.
+// Shapes, dtypes, devices and scalar arguments of a varlen call (spec §4, §5); see above.
 inline void check_varlen_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                               std::optional<int64_t> max_seqlen_q,
@@ -352,7 +352,7 @@ inline void check_varlen_meta(const at::Tensor& q, const at::Tensor& k, const at
   if (n_visible.has_value()) detail::check_n_visible_meta(*n_visible, {Tq, Hq}, q.device());
 }
 
-// Varlen layout (SPEC §4): q (total_q, Hq, D), k/v (total_k, Hk, D), cu_seqlens int32 (B + 1,).
+// Varlen layout (spec §4): q (total_q, Hq, D), k/v (total_k, Hk, D), cu_seqlens int32 (B + 1,).
 inline Prepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                std::optional<int64_t> max_seqlen_q,
@@ -436,7 +436,7 @@ inline Prepared prepare_varlen(const at::Tensor& q, const at::Tensor& k, const a
   return pr;
 }
 
-// query_scale's arguments (SPEC §1, §5): n an integer tensor, the beta(n) arguments, and with a
+// query_scale's arguments (spec §1, §5): n an integer tensor, the beta(n) arguments, and with a
 // per-head slope tensor (Hq,) an n of shape (..., Hq, Lq).
 inline void check_query_scale_meta(const at::Tensor& n, c10::string_view mode, double slope,
                                    const std::optional<at::Tensor>& slope_per_head,

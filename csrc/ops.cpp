@@ -62,7 +62,7 @@ at::Tensor visible_counts_cpu(const at::Tensor& q, const at::Tensor& k, bool cau
   return counts;
 }
 
-// beta(n) elementwise (SPEC §1, §3), float32; with a per-head slope n is (..., Hq, Lq).
+// beta(n) elementwise (spec §1, §3), float32; with a per-head slope n is (..., Hq, Lq).
 at::Tensor query_scale_cpu(const at::Tensor& n, c10::string_view mode, double slope,
                            const std::optional<at::Tensor>& slope_per_head, int64_t n_ref,
                            int64_t topk, double contrast, double beta_min, double beta_max) {

@@ -1,5 +1,5 @@
 // sharp_math.h: the per-row maths of sharp attention, shared by the CPU kernel, the CUDA
-// kernel and the C++ unit tests (SPEC.md §1-§3). Torch-free; compiles as C++17 and CUDA.
+// kernel and the C++ unit tests (spec §1-§3). Torch-free; compiles as C++17 and CUDA.
 //
 // Every function has internal linkage (static inline), so CPU units compiled for different
 // instruction sets never share an out-of-line copy.
@@ -32,7 +32,7 @@ SHARP_HD int64_t row_offset(const int32_t* cu_seqlens, int64_t b, int64_t h, int
                     : b * batch_stride + h * head_stride + i * row_stride;
 }
 
-// Sequence lengths of batch b (SPEC §2: kv_len_b = kv_lens[b] if given, else Lk).
+// Sequence lengths of batch b (spec §2: kv_len_b = kv_lens[b] if given, else Lk).
 SHARP_HD int64_t seqlen_q_of(const SharpParams& p, int64_t b) {
   return p.cu_seqlens_q ? int64_t(p.cu_seqlens_q[b + 1]) - p.cu_seqlens_q[b] : p.seqlen_q;
 }
@@ -42,7 +42,7 @@ SHARP_HD int64_t seqlen_k_of(const SharpParams& p, int64_t b) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Visible keys (SPEC §2). Without an attn_mask the visible set of row i is the contiguous
+// Visible keys (spec §2). Without an attn_mask the visible set of row i is the contiguous
 // key range [lo, hi); with a mask it is the subset of that range the mask keeps.
 struct KeyRange {
   int64_t lo, hi;  // empty when hi <= lo
@@ -66,7 +66,7 @@ SHARP_HD KeyRange visible_range(int64_t i, int64_t len_q, int64_t kv_len, bool c
 SHARP_HD int64_t range_count(KeyRange r) { return r.hi > r.lo ? r.hi - r.lo : 0; }
 
 // ---------------------------------------------------------------------------------------
-// beta(n) (SPEC §1, §3), clamped to [beta_min, beta_max]; mode kNone returns exactly 1.
+// beta(n) (spec §1, §3), clamped to [beta_min, beta_max]; mode kNone returns exactly 1.
 // `slope` is the lambda of this row's head.
 SHARP_HD double query_scale(int64_t n, ScaleMode mode, double slope, int64_t n_ref,
                             int64_t topk, double contrast, double beta_min, double beta_max) {

@@ -2,7 +2,7 @@
 //
 // Filled by the torch bindings (csrc/api.h) or by any C++ embedder, read by the CPU kernel
 // (csrc/cpu/) and the CUDA kernel (csrc/cuda/). Nothing here depends on torch or on CUDA.
-// The maths it parameterises is SPEC.md §2-§3.
+// The maths it parameterises is spec §2-§3.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +11,7 @@ namespace sharpdraft {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// beta(n): SPEC §1. kNone is plain attention (beta = 1, clamps ignored).
+// beta(n): spec §1. kNone is plain attention (beta = 1, clamps ignored).
 enum class ScaleMode : int32_t { kNone = 0, kFixedSlope = 1, kExactTopk = 2 };
 
 struct ScaleParams {
@@ -53,7 +53,7 @@ struct SharpParams {
   // dense only: int32 (B,), kv_lens[b] in [0, Lk]; null means Lk for every batch
   const int32_t* kv_lens = nullptr;
 
-  bool causal = false;   // bottom-right aligned (SPEC §2)
+  bool causal = false;   // bottom-right aligned (spec §2)
   int64_t window = 0;    // > 0: sliding window (causal only); 0: none
 
   // dense only: bool mask broadcast to (B, Hq, Lq, Lk) via strides (0 on broadcast dims),
@@ -61,7 +61,7 @@ struct SharpParams {
   const bool* mask = nullptr;
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0;
 
-  // optional n_i override for beta only (SPEC §2): int64, broadcast via strides
+  // optional n_i override for beta only (spec §2): int64, broadcast via strides
   const int64_t* n_visible = nullptr;
   int64_t nv_batch_stride = 0, nv_head_stride = 0, nv_row_stride = 0;
 

@@ -1,7 +1,7 @@
 """Quickstart: what cardinality-aware query scaling does to attention on a growing context.
 
 A query row sees n keys: k = 32 "right" keys with logit Delta = 5 and n - k others with logit 0
-(the two-level model of SPEC §1). Plain attention's top-k mass falls as n grows; sharp attention
+(the two-level model of spec §1). Plain attention's top-k mass falls as n grows; sharp attention
 multiplies the query by beta(n) and keeps it near its value at the reference cardinality n_ref.
 The top-k mass is read off the kernel's log-sum-exp: exp(lse over the top-k keys - lse over all),
 with n_visible pinning beta to the full row's cardinality in the top-k-only call.

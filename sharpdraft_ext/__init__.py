@@ -1,11 +1,11 @@
-"""sharpdraft_ext: fused sharp attention, the kernel of SharpDraft (SPEC.md).
+"""sharpdraft_ext: fused sharp attention, the kernel of SharpDraft (docs/spec.md).
 
 Attention whose every query row i is multiplied by beta(n_i), a fixed-slope log factor of its
 cardinality n_i (the number of keys it can see), inside one fused pass:
 
     s_ij = beta_i * scale * <q_i, k_j>,  out_i = softmax_j(s_ij) @ v,  lse_i = logsumexp_j(s_ij)
 
-with beta_i = clamp(1 + slope * ln(n_i / n_ref), beta_min, beta_max) ("fixed_slope", SPEC §1),
+with beta_i = clamp(1 + slope * ln(n_i / n_ref), beta_min, beta_max) ("fixed_slope", spec §1),
 the exact top-k correction ("exact_topk"), or 1 ("none": plain attention, the SDPA baseline).
 
 Import torch before this package (the extension links torch's libraries).
@@ -54,7 +54,7 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     n_ref: int = 2048, topk: int = 32, contrast: float = 5.0,
                     beta_min: float = 1.0, beta_max: float = _INF,
                     n_visible: Union[int, torch.Tensor, None] = None, return_lse: bool = False):
-    """Sharp attention, dense layout (SPEC §2-§4).
+    """Sharp attention, dense layout (spec §2-§4).
 
     Args:
         q: (B, Hq, Lq, D); k, v: (B, Hk, Lk, D) with Hq % Hk == 0 (GQA: query head h reads kv
@@ -69,7 +69,7 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             (beta = 1 + ln((n - topk) / (n_ref - topk)) / contrast for n > topk, else 1) or
             "none" (beta = 1).
         slope: lambda, a float or a float tensor (Hq,) of per-head slopes.
-        n_ref, topk, contrast: reference cardinality, k and Delta of SPEC §1.
+        n_ref, topk, contrast: reference cardinality, k and Delta of spec §1.
         beta_min, beta_max: clamp of beta (mode "none" ignores them).
         n_visible: an int or an integer tensor broadcastable to (B, Hq, Lq): overrides n_i for
             beta only (the mask is still applied).
@@ -83,7 +83,7 @@ def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     reference (`reference.sharp_attention_ref`), recomputed with its (B, Hq, Lq, Lk) scores.
 
     Raises:
-        ValueError (or RuntimeError) naming the argument for any input SPEC §5 rejects (beta_min
+        ValueError (or RuntimeError) naming the argument for any input spec §5 rejects (beta_min
         must be finite, beta_max finite or +inf), before any work is done; on meta or fake
         tensors (torch.compile) the shape, dtype and device checks run as well.
     """
@@ -104,7 +104,7 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            topk: int = 32, contrast: float = 5.0, beta_min: float = 1.0,
                            beta_max: float = _INF, n_visible: Union[int, torch.Tensor, None] = None,
                            return_lse: bool = False):
-    """Sharp attention over packed variable-length sequences (SPEC §4).
+    """Sharp attention over packed variable-length sequences (spec §4).
 
     Args:
         q: (total_q, Hq, D); k, v: (total_k, Hk, D).
@@ -119,7 +119,7 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         Differentiable as `sharp_attention`.
 
     Raises:
-        ValueError naming the argument for any input SPEC §5 rejects, before any work; the
+        ValueError naming the argument for any input spec §5 rejects, before any work; the
         cu_seqlens are checked as the kernel reads them (any strides).
     """
     _check_device(q)
@@ -135,7 +135,7 @@ def visible_counts(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False,
                    window: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                    kv_lens: Optional[torch.Tensor] = None,
                    n_visible: Union[int, torch.Tensor, None] = None) -> torch.Tensor:
-    """The cardinality n_i each row's beta uses (SPEC §2), computed by the kernel's own code.
+    """The cardinality n_i each row's beta uses (spec §2), computed by the kernel's own code.
 
     Args: as `sharp_attention` (q (B, Hq, Lq, D), k (B, Hk, Lk, D); only shapes, masking
     arguments and n_visible matter). Returns int64 (B, Hq, Lq) on q's device: n_visible when
@@ -154,7 +154,7 @@ def query_scale(n: torch.Tensor, *, mode: str = "fixed_slope",
                 slope: Union[float, torch.Tensor] = 0.2, n_ref: int = 2048, topk: int = 32,
                 contrast: float = 5.0, beta_min: float = 1.0,
                 beta_max: float = _INF) -> torch.Tensor:
-    """beta(n) elementwise, clamped to [beta_min, beta_max] (SPEC §1, §3), as the kernel computes it.
+    """beta(n) elementwise, clamped to [beta_min, beta_max] (spec §1, §3), as the kernel computes it.
 
     Args:
         n: integer tensor of cardinalities; with a per-head slope tensor (Hq,) its shape must be

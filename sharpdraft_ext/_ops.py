@@ -7,7 +7,7 @@ never read tensor values), so a call on fake or meta tensors is rejected exactly
 kernel would reject it; the checks of tensor values (cu_seqlens order, kv_lens range, n_visible
 >= 0, finite per-head slopes) run when the real kernel does.
 
-Backward (SPEC §4): the kernels are forward-only; the gradient of every differentiable input
+Backward (spec §4): the kernels are forward-only; the gradient of every differentiable input
 (q, k, v and a per-head slope tensor) is that of the float64 reference
 (`sharpdraft_ext.reference`), recomputed in backward with torch.autograd through its maths and
 returned in each input's dtype.

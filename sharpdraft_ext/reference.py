@@ -1,16 +1,16 @@
-"""Pure-PyTorch reference of sharp attention (SPEC.md §1-§3).
+"""Pure-PyTorch reference of sharp attention (spec §1-§3).
 
 This module never calls the compiled extension: it is the independent oracle the kernel is
-tested against (SPEC §6). Everything here is written for clarity, not speed: it materialises
+tested against (spec §6). Everything here is written for clarity, not speed: it materialises
 the full (B, Hq, Lq, Lk) score and mask tensors.
 
 Two precisions:
 
 * ``upcast=True`` (default): q, k, v are converted to float64 and every step (scores, softmax,
   P @ V, lse) runs in float64; the output *and* the lse are returned in float64. This is the
-  ``ref64`` of SPEC §6.
+  ``ref64`` of spec §6.
 * ``upcast=False``: scores, softmax and P @ V run in q's dtype T (the "PyTorch reference run in T"
-  of SPEC §6); the output is returned in T and the lse in float32 (computed from the T scores).
+  of spec §6); the output is returned in T and the lse in float32 (computed from the T scores).
   beta and ``scale`` are combined in float64 and the product is rounded to T once, then folded
   into q row-wise, as an unfused PyTorch implementation in T would do.
 
@@ -18,9 +18,9 @@ Public functions
 ----------------
 ``sharp_attention_ref``         dense layout, q (B, Hq, Lq, D), k/v (B, Hk, Lk, D)
 ``sharp_attention_varlen_ref``  packed layout, q (total_q, Hq, D), k/v (total_k, Hk, D)
-``visible_mask_ref``            bool (B, Hq, Lq, Lk), the visible-key set of SPEC §2
-``visible_counts_ref``          int64 (B, Hq, Lq), n_i of SPEC §2 (or the n_visible override)
-``query_scale_ref``             float64 beta(n), SPEC §1 and §3, clamped
+``visible_mask_ref``            bool (B, Hq, Lq, Lk), the visible-key set of spec §2
+``visible_counts_ref``          int64 (B, Hq, Lq), n_i of spec §2 (or the n_visible override)
+``query_scale_ref``             float64 beta(n), spec §1 and §3, clamped
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ SlopeLike = Union[float, torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 def _check_beta_bounds(beta_min: float, beta_max: float) -> None:
     """beta = clamp(beta(n), beta_min, beta_max) is finite for every n only when beta_min is
-    finite and beta_max is finite or +inf (SPEC §5, as the kernel checks)."""
+    finite and beta_max is finite or +inf (spec §5, as the kernel checks)."""
     if not math.isfinite(beta_min):
         raise ValueError(f"beta_min must be finite, got {beta_min}")
     if math.isnan(beta_max) or beta_max == -math.inf:
@@ -68,7 +68,7 @@ def query_scale_ref(
     beta_min: float = 1.0,
     beta_max: float = float("inf"),
 ) -> torch.Tensor:
-    """Per-row query scale beta(n) (SPEC §1, clamped as in §3), in float64.
+    """Per-row query scale beta(n) (spec §1, clamped as in §3), in float64.
 
     Args:
         n: visible-key counts, an int tensor (or anything ``torch.as_tensor`` accepts) of any
@@ -77,8 +77,8 @@ def query_scale_ref(
             ``"exact_topk"``: beta = 1 + ln((n - topk) / (n_ref - topk)) / contrast for n > topk,
             else 1; ``"none"``: beta = 1 exactly, no clamp.
         slope: lambda, a float or a (Hq,) tensor (broadcast as ``slope[:, None]``).
-        n_ref, topk, contrast: SPEC §1 parameters.
-        beta_min, beta_max: the clamp of SPEC §3 (ignored for mode "none").
+        n_ref, topk, contrast: spec §1 parameters.
+        beta_min, beta_max: the clamp of spec §3 (ignored for mode "none").
 
     Returns:
         float64 tensor of n's shape (broadcast with ``slope[:, None]`` when slope is a tensor),
@@ -116,7 +116,7 @@ def query_scale_ref(
         log_ratio = torch.log(n64.clamp_min(1.0) / float(n_ref))
         prod = lam * log_ratio
         # lam == 0 gives beta = 1 even for n <= 0. For lam < 0 and n <= 0 the product would be
-        # +inf; SPEC leaves n = 0 to the clamp from below (the row is empty), so treat every
+        # +inf; docs/spec.md leaves n = 0 to the clamp from below (the row is empty), so treat every
         # n <= 0 as -inf.
         prod = torch.where((n64 <= 0) & (lam != 0), torch.full_like(prod, -math.inf), prod)
         beta = 1.0 + prod
@@ -148,7 +148,7 @@ def _kv_len_tensor(kv_lens, B: int, Lk: int, device) -> torch.Tensor:
 
 def _visible_mask(B, Hq, Lq, Lk, device, causal, window, attn_mask, kv_lens) -> torch.Tensor:
     if window is not None and not causal:
-        raise ValueError("window requires causal=True (SPEC §2)")
+        raise ValueError("window requires causal=True (spec §2)")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     kv_len = _kv_len_tensor(kv_lens, B, Lk, device)  # (B,)
@@ -178,7 +178,7 @@ def visible_mask_ref(
     attn_mask: Optional[torch.Tensor] = None,
     kv_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The visible-key set of SPEC §2 as a bool tensor (B, Hq, Lq, Lk).
+    """The visible-key set of spec §2 as a bool tensor (B, Hq, Lq, Lk).
 
     q: (B, Hq, Lq, D), k: (B, Hk, Lk, D) (only shapes are read). Key j is visible to (b, h, i) iff
     j < kv_len_b, and (causal) j <= p_i, and (window W) j > p_i - W, and attn_mask[b, h, i, j]
@@ -199,7 +199,7 @@ def visible_counts_ref(
     kv_lens: Optional[torch.Tensor] = None,
     n_visible=None,
 ) -> torch.Tensor:
-    """n_i of SPEC §2: int64 (B, Hq, Lq), the number of visible keys of every query row.
+    """n_i of spec §2: int64 (B, Hq, Lq), the number of visible keys of every query row.
 
     With ``n_visible`` (int or int tensor broadcastable to (B, Hq, Lq)) the override is returned
     instead, broadcast to (B, Hq, Lq): that is the count beta is computed from.
@@ -256,12 +256,12 @@ def sharp_attention_ref(
     return_lse: bool = False,
     upcast: bool = True,
 ):
-    """Reference sharp attention, dense layout (SPEC §2-§3).
+    """Reference sharp attention, dense layout (spec §2-§3).
 
     Args:
         q: (B, Hq, Lq, D); k, v: (B, Hk, Lk, D) with Hq % Hk == 0 (query head h reads kv head
             h // (Hq / Hk)). Any strides.
-        causal, window, attn_mask, kv_lens: the visibility rules of SPEC §2 (bottom-right causal,
+        causal, window, attn_mask, kv_lens: the visibility rules of spec §2 (bottom-right causal,
             window only with causal, bool mask broadcastable to (B, Hq, Lq, Lk), kv_lens (B,)).
         scale: softmax scale, default 1 / sqrt(D).
         mode, slope, n_ref, topk, contrast, beta_min, beta_max: beta(n) (see query_scale_ref).
@@ -342,7 +342,7 @@ def sharp_attention_varlen_ref(
     return_lse: bool = False,
     upcast: bool = True,
 ):
-    """Reference sharp attention, packed (varlen) layout (SPEC §2-§4).
+    """Reference sharp attention, packed (varlen) layout (spec §2-§4).
 
     Args:
         q: (total_q, Hq, D); k, v: (total_k, Hk, D).

@@ -7,7 +7,7 @@
 * ``randn`` / ``make_qkv`` / ``make_varlen_qkv``: inputs that are never zero (standard normal
   draws), optionally with extreme logits (q scaled by ~30-50) and non-contiguous layouts.
 * ``tree_mask`` / ``random_bool_mask``: mask builders (EAGLE-style tree, random masks).
-* ``assert_close_spec``: the SPEC §6 rule
+* ``assert_close_spec``: the spec §6 rule
       max|out - ref64| <= 2 * max|out_torch_T - ref64| + 1e-5
   with -inf / NaN entries compared exactly.
 """
@@ -27,7 +27,7 @@ from hypothesis import settings
 
 # CI (scripts/test.sh) runs with --hypothesis-profile=ci: the random grids draw the same examples
 # every run. Rounding differences between the kernel and the float32 torch reference are random,
-# so a fresh draw can land a hair outside the SPEC §6 bound on extreme-logit float32 lse; local
+# so a fresh draw can land a hair outside the spec §6 bound on extreme-logit float32 lse; local
 # runs keep exploring new examples.
 settings.register_profile("ci", derandomize=True, database=None)
 
@@ -159,12 +159,12 @@ def random_bool_mask(shape, p_true: float = 0.7, gen=None) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The SPEC §6 rule
+# The spec §6 rule
 # ---------------------------------------------------------------------------------------------
 def assert_close_spec(out: torch.Tensor, ref64: torch.Tensor, out_torch_T: torch.Tensor,
                       name: str = "out", atol: float = 1e-5,
                       exact: Optional[torch.Tensor] = None, context: str = "") -> None:
-    """SPEC §6: max|out - ref64| <= 2 * max|out_torch_T - ref64| + atol.
+    """spec §6: max|out - ref64| <= 2 * max|out_torch_T - ref64| + atol.
 
     Non-finite entries of ref64 (-inf lse of empty rows, +-inf, NaN from NaN inputs) are compared
     exactly: out must hold the same value there (NaN where ref64 is NaN). ``exact`` (bool,

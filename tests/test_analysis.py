@@ -33,7 +33,7 @@ class ByteTok:
 
 
 def test_two_level_rows_have_the_spec_topk_mass():
-    """SPEC §1: k keys at logit a, n - k at b: M = 1 / (1 + (n - k) / k * exp(-beta Delta))."""
+    """spec §1: k keys at logit a, n - k at b: M = 1 / (1 + (n - k) / k * exp(-beta Delta))."""
     n, k, a, b = 300, 8, 2.5, -1.0
     logits = torch.full((2, n), b, dtype=torch.float64)
     logits[:, 50:50 + k] = a
@@ -133,7 +133,7 @@ def test_analyze_mass_writes_its_report(tmp_path):
 def test_contrast_inverts_the_two_level_mass():
     from sharpdraft.eval import calibrate
     for n_ref, k, delta in ((1024, 32, 5.0), (512, 8, 2.3), (2048, 32, 7.5)):
-        m = 1 / (1 + (n_ref - k) / k * math.exp(-delta))        # SPEC §1 at beta = 1
+        m = 1 / (1 + (n_ref - k) / k * math.exp(-delta))        # spec §1 at beta = 1
         assert calibrate.contrast_from_mass(m, n_ref, k) == pytest.approx(delta, rel=1e-10)
         assert calibrate.slope_from_mass(m, n_ref, k) == pytest.approx(1 / delta, rel=1e-10)
     assert calibrate.slope_from_mass(32 / 1024, 1024, 32) == calibrate.MAX_SLOPE  # uniform

@@ -2,7 +2,7 @@
 
 Without a GPU: the extension imports and registers CUDA kernels; calling them with CPU tensors
 raises a clear error (these run whenever _cuda is importable).
-With a GPU: the kernel against the float64 reference under the SPEC §6 rule (references run on
+With a GPU: the kernel against the float64 reference under the spec §6 rule (references run on
 CPU on the same inputs), and against the CPU kernel (same empty rows, lse within the rule).
 The grid covers head dims 64/128/256, float16/bfloat16, every mask kind, Lq != Lk, empty rows,
 GQA, the three modes, per-head slopes, n_visible, extreme logits, non-tile-multiple lengths,
@@ -84,7 +84,7 @@ def _ctx(q, k, kw):
 
 
 def check_dense_cuda(q, k, v, **kw):
-    """CUDA kernel vs float64 reference (SPEC §6) and vs the CPU kernel; inputs on CPU."""
+    """CUDA kernel vs float64 reference (spec §6) and vs the CPU kernel; inputs on CPU."""
     ctx = _ctx(q, k, kw)
     out, lse = ext.sharp_attention(q.cuda(), k.cuda(), v.cuda(), return_lse=True, **_to_cuda(kw))
     torch.cuda.synchronize()
@@ -121,7 +121,7 @@ def check_varlen_cuda(q, k, v, cu_q, cu_k, **kw):
 
 
 def mask_kwargs(kind, B, Hq, Lq, Lk, gen):
-    """Masking keywords of one named kind (SPEC §2), on CPU."""
+    """Masking keywords of one named kind (spec §2), on CPU."""
     lens = lambda lo: torch.randint(lo, Lk + 1, (B,), generator=gen).to(torch.int32)  # noqa: E731
     table = {
         "none": lambda: {},

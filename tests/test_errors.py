@@ -1,4 +1,4 @@
-"""SPEC §5: every bad input raises (ValueError or RuntimeError) with the argument named.
+"""spec §5: every bad input raises (ValueError or RuntimeError) with the argument named.
 
 Each case starts from a valid call (checked to succeed) and breaks exactly one argument.
 """
@@ -104,7 +104,7 @@ def _dense_cases():
         ("scale inf", dict(scale=float("inf")), ("scale",)),
         ("beta_min > beta_max", dict(beta_min=2.0, beta_max=1.5), ("beta_min", "beta_max")),
         ("beta_min nan", dict(beta_min=float("nan")), ("beta_min", "beta_max")),
-        # non-finite beta bounds that give a non-finite beta (issue 11: all-NaN outputs)
+        # non-finite beta bounds that give a non-finite beta (once all-NaN outputs)
         ("beta_min = beta_max = inf", dict(beta_min=float("inf"), beta_max=float("inf")),
          ("beta_min",)),
         ("beta_min -inf", dict(beta_min=float("-inf")), ("beta_min",)),
@@ -250,7 +250,7 @@ def test_errors_leave_inputs_untouched(dense):
     (dict(beta_max=float("nan")), ("beta_max",)),
 ], ids=["inf", "-inf_n0", "max_-inf", "max_nan"])
 def test_reference_rejects_non_finite_beta_bounds(dense, kw, names):
-    """The reference gave all-NaN outputs for these too (issue 11)."""
+    """The reference gave all-NaN outputs for these too (a fixed bug)."""
     q, k, v = dense
     with pytest.raises(ValueError, match=name_re(*names)):
         ref.sharp_attention_ref(q, k, v, **kw)
@@ -269,7 +269,7 @@ def test_infinite_beta_max_and_finite_negative_beta_min_stay_valid(dense):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fake (meta) kernels check like the real ones (issue 11: they returned shapes unchecked)
+# The fake (meta) kernels check like the real ones (they once returned shapes unchecked)
 # ---------------------------------------------------------------------------------------------
 # checks that read tensor values: the real kernel makes them, a meta or fake tensor has none
 VALUE_CASES = {"kv_lens > Lk", "kv_lens < 0", "slope tensor inf", "cu_seqlens_q decreasing",

@@ -25,7 +25,7 @@ TIGHT = dict(rtol=1e-5, atol=1e-5)
 
 
 def sdpa(q, k, v, *, causal=False, attn_mask=None, scale=None):
-    """torch SDPA with the SPEC's conventions: bottom-right causal, GQA, bool mask."""
+    """torch SDPA with the conventions of docs/spec.md: bottom-right causal, GQA, bool mask."""
     Lq, Lk = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if causal:

@@ -1,5 +1,5 @@
 """The CPU linear layer for few rows (sharpdraft_ext.pack_linear_weight / packed_linear) against a
-float64 F.linear (SPEC section 6 rule, with float32 F.linear as the torch baseline), its argument
+float64 F.linear (spec §6 rule, with float32 F.linear as the torch baseline), its argument
 errors, its fake kernels, each instruction set (in a subprocess: the choice is made once per
 process), and the target runtime's use of it (PackedLinear, plan_linears). Outputs are held to
 the forward error bound of a float32 dot product, whatever the order of summation (so the

@@ -38,7 +38,7 @@ def target():
 @pytest.mark.parametrize("mode", ["none", "fixed_slope"])
 def test_incremental_summary_equals_one_attention_over_all_keys(target, dtype, mode):
     """Chunks of sizes 5, 0, 1, 17, 3, 40 folded by the LSE merge == one attention of the
-    summary queries over all 66 keys (SPEC section 6 rule against float64); with SharpDraft
+    summary queries over all 66 keys (spec §6 rule against float64); with SharpDraft
     every chunk is scored at the same n_visible, the beta of the whole."""
     d = tiny_longspark(target)
     d.sharp = SharpConfig(mode=mode, slope=0.3, n_ref=8)

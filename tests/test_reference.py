@@ -1,6 +1,6 @@
 """The pure-PyTorch reference (sharpdraft_ext/reference.py) against independent computations:
 hand-derived values (math.exp / math.log on Python floats), a scalar-loop implementation of
-SPEC §2-§3 written separately here, and the two-level logit model of SPEC §1.
+spec §2-§3 written separately here, and the two-level logit model of spec §1.
 
 These tests need no compiled extension.
 """
@@ -379,7 +379,7 @@ def test_varlen_against_scalar_loops():
 
 
 # ---------------------------------------------------------------------------------------------
-# The two-level logit model (SPEC §1)
+# The two-level logit model (spec §1)
 # ---------------------------------------------------------------------------------------------
 def _topk_mass(n, k, delta, **kw):
     """Top-k mass of one row with n keys: k keys at logit 1 + delta, n - k at logit 1."""
@@ -435,7 +435,7 @@ def test_two_level_model_restores_topk_mass(n):
 
 
 def test_calibration_inverts_the_model():
-    """Delta = ln((n_ref - k) / k) - ln(1 / M_ref - 1) recovers the contrast (SPEC §1)."""
+    """Delta = ln((n_ref - k) / k) - ln(1 / M_ref - 1) recovers the contrast (spec §1)."""
     k, n_ref = 32, 2048
     for delta in (3.0, 5.0, 7.5):
         m = _topk_mass(n_ref, k, delta, mode="none")

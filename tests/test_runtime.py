@@ -1,5 +1,5 @@
 """Target runtime (sharpdraft.target): the same numbers as the Hugging Face model's own forward
-(SPEC section 6 rule, with the model itself in float64 as the reference), a preallocated cache
+(spec §6 rule, with the model itself in float64 as the reference), a preallocated cache
 that crops and keeps tree paths exactly as a fresh forward over the kept tokens, hidden states of
 the asked layers only, prepacked linears equal to nn.Linear, and the context-length check."""
 import copy

@@ -1,5 +1,5 @@
 """The kernel (ext.sharp_attention / ext.sharp_attention_varlen) against the float64 reference
-with the SPEC §6 rule, plus ext.visible_counts / ext.query_scale against the reference.
+with the spec §6 rule, plus ext.visible_counts / ext.query_scale against the reference.
 
 Deterministic grids cover every required case (mask kinds, empty rows, Lq != Lk, GQA, dtypes,
 modes, per-head slope, n_visible, extreme logits, layouts, varlen); a hypothesis test draws
@@ -39,7 +39,7 @@ def _describe(q, k, kw):
 
 
 def check_dense(q, k, v, return_lse=True, **kw):
-    """Run the kernel and both references on the same inputs and apply the SPEC §6 rule."""
+    """Run the kernel and both references on the same inputs and apply the spec §6 rule."""
     ctx = _describe(q, k, kw)
     res = ext.sharp_attention(q, k, v, return_lse=return_lse, **kw)
     out, lse = res if return_lse else (res, None)
@@ -73,7 +73,7 @@ def check_varlen(q, k, v, cu_q, cu_k, return_lse=True, **kw):
 
 
 def mask_kwargs(kind, B, Hq, Lq, Lk, gen):
-    """Masking keywords of one named kind (SPEC §2)."""
+    """Masking keywords of one named kind (spec §2)."""
     if kind == "none":
         return {}
     if kind == "causal":
@@ -294,7 +294,7 @@ def test_varlen_matches_dense_per_sequence():
 
 
 def test_n_visible_python_int():
-    """SPEC §2: n_visible is an int broadcastable to (B, Hq, Lq): a plain Python int works."""
+    """spec §2: n_visible is an int broadcastable to (B, Hq, Lq): a plain Python int works."""
     g = make_gen(71)
     q, k, v = make_qkv(1, 2, 1, 12, 40, 32, torch.float32, g)
     check_dense(q, k, v, causal=True, n_ref=8, n_visible=5000)
@@ -567,8 +567,8 @@ def test_fuzz_kv_lens_and_side_tensors(c):
             "causal", "attn_mask", "kv_lens", "n_visible")}))
 
 
-def test_strided_cu_seqlens_of_the_issue():
-    """Issue 11: views with stride 2 were read as if contiguous (a floating point exception, a
+def test_strided_cu_seqlens_views_are_read_through_their_strides():
+    """A fixed bug: views with stride 2 were read as if contiguous (a floating point exception, a
     segmentation fault, and a valid view rejected)."""
     g = make_gen(11)
     q, k = torch.randn(30, 4, 32, generator=g), torch.randn(50, 2, 32, generator=g)
@@ -582,7 +582,7 @@ def test_strided_cu_seqlens_of_the_issue():
 
 
 # ---------------------------------------------------------------------------------------------
-# Backward (issue 11: the output required grad, but backward left q.grad None)
+# Backward (a fixed bug: the output required grad, but backward left q.grad None)
 # ---------------------------------------------------------------------------------------------
 def _grads(fn, inputs, cotangents):
     """d<outputs, cotangents>/d inputs by torch.autograd (inputs: leaves requiring grad)."""

@@ -77,7 +77,7 @@ inline RowInfo row_info(const SharpParams& p, int64_t b, int64_t hk, int64_t row
   return r;
 }
 
-// n_i as beta sees it (SPEC §2): the override if given, else the visible keys counted from
+// n_i as beta sees it (spec §2): the override if given, else the visible keys counted from
 // the mask actually applied, else the closed form.
 inline int64_t cardinality(const SharpParams& p, int64_t b, const RowInfo& r) {
   if (p.n_visible) {

@@ -1,4 +1,4 @@
-// sharp_cpu.h: the torch-free CPU sharp-attention forward (SPEC.md §2-§3).
+// sharp_cpu.h: the torch-free CPU sharp-attention forward (spec §2-§3).
 //
 // The driver (sharp_cpu.cpp) splits a call into independent work items, each a tile of query
 // rows of one (batch, kv head) against a range of keys, and runs them through a caller-given

@@ -7,7 +7,7 @@
 // inside the ISA namespace is built for that instruction set (nothing another unit could share);
 // the unit pops it after defining its entry point. No std containers here: only raw buffers.
 //
-// Algorithm (SPEC §3), one block of kKeyBlock keys at a time:
+// Algorithm (spec §3), one block of kKeyBlock keys at a time:
 //   S^T = K Q^T with the SIMD lanes running over query rows (Q^T is packed once per tile and
 //   already carries c_i = beta_i * scale, so the scaling costs nothing per score); K is read in
 //   place (float32) or converted once per block (16-bit); masking only on blocks some row does
@@ -200,7 +200,7 @@ inline void qk_dot_row(const float* qrow, int64_t D, const float* k, int64_t ks,
 // ---- PV: acc[r * Dp + c] += sum_j st[j * Rp + r] * v[j * vs + c] -------------------------
 // kSafe (a block holding a non-finite value, where some row of the group is masked): a weight
 // of 0 contributes exactly 0, so a NaN or inf value of a key a row cannot see never reaches that
-// row (SPEC §5). The micro-kernels are kept out of line so each gets the whole register file.
+// row (spec §5). The micro-kernels are kept out of line so each gets the whole register file.
 template <int R, int NV, bool kSafe>
 __attribute__((noinline)) void pv_micro(const float* pt, int64_t Rp, const float* v, int64_t vs, int nk, float* acc,
                      int64_t Dp) {

@@ -1,7 +1,7 @@
 // binding.cpp: the CUDA implementations of torch.ops.sharpdraft.sharp_attention and
 // sharp_attention_varlen (schemas in csrc/ops.cpp). The only translation unit of the CUDA
 // extension (sharpdraft_ext._cuda) that includes torch: csrc/api.h checks the arguments
-// (SPEC §5) and fills SharpParams; this file picks the split-KV count, allocates its
+// (spec §5) and fills SharpParams; this file picks the split-KV count, allocates its
 // workspace and launches run_sharp_fwd (csrc/cuda/sharp_fwd_launch.h) on the current stream.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

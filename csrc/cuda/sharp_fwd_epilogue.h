@@ -1,5 +1,5 @@
 // sharp_fwd_epilogue.h: what a forward CTA writes. A CTA whose rows see no key writes zeros
-// and lse = -inf (SPEC §3); a split-KV CTA writes its normalised float32 partial output and
+// and lse = -inf (spec §3); a split-KV CTA writes its normalised float32 partial output and
 // lse to the workspace (merged by sharp_fwd_combine.cu); otherwise the output tile is staged
 // in shared memory and stored as whole 16-byte chunks per row, with the lse when asked for.
 #pragma once

@@ -1,5 +1,5 @@
 // sharp_fwd_kernel.h: the FlashAttention-2-style forward kernel of sharp attention
-// (SPEC.md §2-§3) and its templated launcher. Included by the per-instantiation .cu files.
+// (spec §2-§3) and its templated launcher. Included by the per-instantiation .cu files.
 //
 // Grid: (query tiles, Hq, B * num_splits); one CTA = kBlockM query rows of one (b, h) against
 // its visible key blocks (or one split's share of them). Per row i the CTA computes the

@@ -1,4 +1,4 @@
-// sharp_fwd_mask.h: visibility of one key block's scores (SPEC §2): keys past kv_len, after a
+// sharp_fwd_mask.h: visibility of one key block's scores (spec §2): keys past kv_len, after a
 // row's causal position, before its window, or false in attn_mask get -inf.
 #pragma once
 

@@ -1,5 +1,5 @@
 // sharp_fwd_row_scale.h: the SharpDraft part of the forward kernel. Each query row's
-// cardinality n_i (SPEC §2: the closed form of its visible range, the n_visible override, or
+// cardinality n_i (spec §2: the closed form of its visible range, the n_visible override, or
 // a count of attn_mask over that range) and its exponent factor c_i = beta(n_i) * scale *
 // log2(e) (sharp_math.h), handed to the lanes that hold the row's accumulators.
 #pragma once

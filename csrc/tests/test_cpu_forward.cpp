@@ -1,5 +1,5 @@
 // The torch-free CPU forward (csrc/cpu/sharp_cpu.h) against a naive float64 implementation
-// written here from SPEC.md §2-§3 (it shares no code with the kernel), run on 2 std::threads.
+// written here from spec §2-§3 (it shares no code with the kernel), run on 2 std::threads.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -94,7 +94,7 @@ void run_case(const Case& c) {
       out[e] = c.dtype == DType::kBFloat16 ? bf16_to_float(o16[e]) : fp16_to_float(o16[e]);
   }
 
-  // Naive float64 reference, straight from the SPEC.
+  // Naive float64 reference, straight from docs/spec.md.
   const double tol = c.dtype == DType::kFloat32 ? 2e-5 : c.dtype == DType::kFloat16 ? 4e-3 : 3e-2;
   double worst = 0, worst_lse = 0;
   int bad_empty = 0;

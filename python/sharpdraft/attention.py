@@ -32,13 +32,13 @@ MODES = ("none", "fixed_slope", "exact_topk")
 
 @dataclass
 class SharpConfig:
-    """Parameters of cardinality-aware query scaling (SPEC §1).
+    """Parameters of cardinality-aware query scaling (spec §1).
 
     mode: "fixed_slope" (beta = 1 + slope ln(n / n_ref)), "exact_topk", or "none" (beta = 1,
     plain attention: the frozen baseline). slope: lambda. n_ref: reference cardinality (a
     drafter's training context length). topk, contrast: k and Delta of the exact correction.
     beta_min, beta_max: clamp of beta (beta_min = beta_max = c with slope 0 is a constant
-    beta = c). layer_slopes: calibrated slopes (SPEC §7), one entry per drafter layer, each a
+    beta = c). layer_slopes: calibrated slopes (spec §7), one entry per drafter layer, each a
     float or a list of per-head floats; a layer's entry replaces `slope` in that layer (layers
     past the list, and calls that name no layer, use `slope`).
     """

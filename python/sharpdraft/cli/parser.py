@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
     am.add_argument("--out", default="analysis/mass", help="output folder")
     ac = analyses.add_parser(
         "calibrate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="per-layer slopes from each drafter layer's top-k mass at n_ref (SPEC section 1), "
+        help="per-layer slopes from each drafter layer's top-k mass at n_ref (spec §1), "
              "written into the checkpoint's config.json (--drafter-path)")
     _common(ac)
     _probe_options(ac, steps=16, rows=32)

@@ -369,7 +369,7 @@ class Drafter(nn.Module):
     # settable at load time (`load_drafter(overrides=...)`, the CLI's --tree-* flags).
     tree_options: tuple = ()
     # Inference option: attend only to the last `context_window` context keys (None: all of
-    # them). Drafters that honour it set supports_context_window (issue 16: a drafter trained on
+    # them). Drafters that honour it set supports_context_window (a drafter trained on
     # short sequences misplaces attention at distances it never saw; a window keeps it in
     # distribution, and n_i, hence SharpDraft's beta, counts the keys actually seen).
     context_window: Optional[int] = None

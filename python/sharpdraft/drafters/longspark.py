@@ -1,6 +1,6 @@
 """LongSpark drafter: a parallel drafter whose cost per round does not grow with the context.
 
-Design (../shared/docs/LONGSPARK.md, after He, Liu, Shen, Li, "Efficient speculative decoding
+Design (docs/longspark.md, after He, Liu, Shen, Li, "Efficient speculative decoding
 with a fixed-cost parallel drafter"): draft layer j is paired with target layer
 l(j) = target_layer_ids[j] + 1 and reads three fixed-size views of the prefix, all taken from the
 target's own verification pass:

@@ -1,5 +1,5 @@
 """Online adaptation of the drafter, the alternative SharpDraft is compared with (the paper's
-Table 1, at small scale; issue 13).
+Table 1, at small scale).
 
 `OnlineAdapter` wraps a drafter that can adapt online (its class's `adapts_online`: DFlash's
 teacher-forced blocks) and fine-tunes it while it decodes: after every verification

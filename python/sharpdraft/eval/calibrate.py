@@ -1,4 +1,4 @@
-"""Per-layer (per-head) slope calibration (SPEC §1 "Calibration", §7; the paper's Fig. 7).
+"""Per-layer (per-head) slope calibration (spec §1 "Calibration", §7; the paper's Fig. 7).
 
 A layer's top-k mass M_ref at its reference cardinality n_ref inverts the two-level model:
 
@@ -28,7 +28,7 @@ MAX_SLOPE = 1.0          # Delta < 1: a nearly uniform layer; its slope is cappe
 
 
 def contrast_from_mass(m_ref: float, n_ref: int, k: int) -> float:
-    """Delta of the two-level model whose top-k mass at n_ref keys is m_ref (SPEC §1); -inf
+    """Delta of the two-level model whose top-k mass at n_ref keys is m_ref (spec §1); -inf
     or below 0 when m_ref is at or under the uniform k / n_ref.
 
     Raises:

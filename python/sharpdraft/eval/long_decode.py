@@ -1,5 +1,5 @@
-"""Acceptance by output length in real decoding (issue 13, sweep part (b); the paper's Table 3
-groups by final output length).
+"""Acceptance by output length in real decoding (the paper's Table 3 groups by final output
+length).
 
 Prompts that make the target write long answers. None of them was trained on: Genesis is held
 out, and the other tasks are written here. They are:

@@ -1,7 +1,7 @@
-"""Top-k attention mass and locality of drafter (and target) layers (SPEC §1, §7).
+"""Top-k attention mass and locality of drafter (and target) layers (spec §1, §7).
 
 `AttentionProbe` is an `attention.observe` callback: on every attention call of the modules it
-is told about, it samples up to `rows` query rows, rebuilds their visible keys (SPEC §2, the
+is told about, it samples up to `rows` query rows, rebuilds their visible keys (spec §2, the
 reference's `visible_mask_ref`) and float32 logits from the q / k the kernel received, and for
 each scaling in `scalings` computes, per row and head:
 
@@ -39,7 +39,7 @@ RECENT = 32
 def scaling_suite(n_ref: int, topk: int = 32, slopes=(0.1, 0.2, 0.3, 0.4),
                   constants=(0.1, 0.2, 0.3, 0.4),
                   calibrated: Optional[list] = None) -> Dict[str, SharpConfig]:
-    """The scalings issue 13 compares: frozen, constant beta = e^c, fixed_slope at each slope,
+    """The scalings the analyses compare: frozen, constant beta = e^c, fixed_slope at each slope,
     exact_topk (Delta 5, this k; needs k < n_ref) and, when given, the calibrated per-layer
     slopes."""
     suite = {"frozen": SharpConfig(mode="none", n_ref=n_ref)}

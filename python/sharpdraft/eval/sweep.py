@@ -1,11 +1,11 @@
-"""Acceptance under many scalings on the same held-out positions (issue 13, the paper's Table 3
+"""Acceptance under many scalings on the same held-out positions (the paper's Table 3
 at small scale): a teacher-forced acceptance proxy bucketed by context length, with 95% bootstrap
 intervals, each scaling paired against the frozen drafter on the same anchors.
 
 At an anchor a (the last committed token sits at position a of a held-out text) the drafter's
 greedy drafts of that step are computed teacher-forced, all anchors of a sequence in one
 parallel forward (the drafter's training forward); the proxy is 1 + the number of leading
-drafts equal to the target's top-1 token along the text (SPEC §7), `anchor_leads`.
+drafts equal to the target's top-1 token along the text (spec §7), `anchor_leads`.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ Statistics: tau (acceptance length) is the mean number of tokens committed per v
 forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The
 prefill forward (which commits the first token) is counted in `target_forwards` but not in tau.
 Times: the prefill (prompt forward + first token) is timed apart from the decode that follows,
-and the decode's drafting and verification apart from each other (SPEC section 7: speedup and
+and the decode's drafting and verification apart from each other (spec §7: speedup and
 decode speedup).
 
 Every loop runs the target through one `sharpdraft.target.TargetRuntime` (preallocated KV

@@ -24,7 +24,7 @@ changes only what costs time without changing the maths:
   `F.linear`.
 
 The numbers differ from the Hugging Face forward only by float rounding (tests hold the runtime
-to the SPEC section 6 tolerance against the model's own forward with SDPA and a DynamicCache).
+to the spec §6 tolerance against the model's own forward with SDPA and a DynamicCache).
 """
 from __future__ import annotations
 

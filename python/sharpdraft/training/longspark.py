@@ -1,6 +1,6 @@
 """`sharpdraft train longspark`: distil a LongSpark drafter from its target, on CPU.
 
-Recipe (the paper's, ../shared/docs/LONGSPARK.md, at CPU scale):
+Recipe (the paper's, docs/longspark.md, at CPU scale):
 
 1. Data and cache: the same cached target forwards as `sharpdraft train dflash` (the outputs of
    `evenly_spaced_layers(L, 4)`, which are the inputs of the paired target layers, and the
