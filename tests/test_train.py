@@ -47,7 +47,8 @@ def test_sources_give_real_text_and_disjoint_splits(source):
     assert train and held
     assert not {d["name"] for d in train} & {d["name"] for d in held}
     text = data.document_text(train[0])
-    assert len(text) > 50 and " " in text
+    # compose's documents are writing subjects ("a train journey across the mountains")
+    assert len(text) > (15 if source == "compose" else 50) and " " in text
     if source in ("humaneval", "stdlib"):
         assert any("def " in data.document_text(d) for d in train[:20])
 
