@@ -36,6 +36,19 @@ class Task:
     user: str
 
 
+def licence_text(name: str) -> str:
+    """The text of /usr/share/common-licenses/`name`.
+
+    Raises:
+        FileNotFoundError naming the file: the licence text is missing.
+    """
+    path = LICENCES / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the document task's text is missing (Debian's "
+                                f"base-files installs /usr/share/common-licenses)")
+    return path.read_text()
+
+
 def user_tasks(licence: str = "Artistic") -> List[Task]:
     """The story, code and document tasks, in that order.
 
@@ -45,12 +58,9 @@ def user_tasks(licence: str = "Artistic") -> List[Task]:
     Raises:
         FileNotFoundError naming the file: the licence text is missing.
     """
-    path = LICENCES / licence
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the document task's text is missing (Debian's "
-                                f"base-files installs /usr/share/common-licenses)")
+    text = licence_text(licence)
     return [Task("story", STORY), Task("code", CODE),
-            Task("document", f"{path.read_text()}\n\n{QUESTION}")]
+            Task("document", f"{text}\n\n{QUESTION}")]
 
 
 # ----- the held-out task suite -----------------------------------------------------------------
@@ -93,11 +103,7 @@ def cut_document(tokenizer, name: str, tokens: int) -> str:
     Raises:
         FileNotFoundError naming the file: the licence text is missing.
     """
-    path = LICENCES / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: the document task's text is missing (Debian's "
-                                f"base-files installs /usr/share/common-licenses)")
-    text = path.read_text()
+    text = licence_text(name)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= tokens:
         return text
