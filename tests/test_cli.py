@@ -85,12 +85,12 @@ def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["generate", "--tree"], "--tree"),
+    (["generate", "--drafter", "dflash", "--tree"], "--tree"),
     (["generate", "--drafter", "eagle3", "--tree", "--draft-threshold", "0.5"], "--tree"),
     (["generate", "--block-size", "1"], "--block-size"),
     (["generate", "--drafter", "eagle3", "--tree", "--tree-tokens", "0"], "--tree-tokens"),
     (["bench", "--drafter", "eagle3", "--tree-depth", "0"], "--tree-depth"),
-    (["generate", "--tree-topk", "4"], "--tree-topk"),               # DFlash has no trees
+    (["generate", "--drafter", "dflash", "--tree-topk", "4"], "--tree-topk"),  # no trees
     (["generate", "--drafter", "eagle3", "--tree-depth", "3"], "--tree"),  # chain drafting
     (["analyze", "mass", "--drafter", "eagle3", "--tree-tokens", "8", "--out", "x"],
      "--tree-tokens"),
@@ -332,13 +332,16 @@ def test_report_explains_a_bfloat16_divergence(capsys, dtype, identical, noted):
 
 
 def test_drafter_kind_comes_from_the_checkpoint_and_a_contradiction_is_refused(tmp_path, capsys):
-    """--drafter omitted: the kind is read from --drafter-path's config.json (dflash without
-    a folder); an explicit --drafter of another kind is a one-line error naming both."""
-    from sharpdraft_helpers import tiny_eagle3
+    """--drafter omitted: the kind is read from --drafter-path's config.json (DEFAULT_DRAFTER,
+    eagle3, without a folder); an explicit --drafter of another kind is a one-line error naming
+    both."""
+    from sharpdraft_helpers import tiny_drafter, tiny_eagle3
 
     tiny_eagle3(tiny_target()).save(tmp_path / "e")
+    tiny_drafter(tiny_target()).save(tmp_path / "d")
     assert cli.parse(["generate", "--drafter-path", str(tmp_path / "e")]).drafter == "eagle3"
-    assert cli.parse(["generate"]).drafter == "dflash"
+    assert cli.parse(["generate", "--drafter-path", str(tmp_path / "d")]).drafter == "dflash"
+    assert cli.parse(["generate"]).drafter == "eagle3"
     assert cli.parse(["bench", "--drafter", "eagle3", "--drafter-path",
                       str(tmp_path / "e")]).drafter == "eagle3"
     with pytest.raises(SystemExit) as exc:

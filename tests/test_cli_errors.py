@@ -142,7 +142,8 @@ CHECKPOINTS = [
 def test_bad_drafter_checkpoint_is_one_line(fx, tmp_path, capsys, edit_config, edit_weights,
                                             words):
     folder = checkpoint(fx, tmp_path, edit_config, edit_weights)
-    rc = cli.main(GENERATE + ["--target", str(fx / "target"), "--drafter-path", str(folder)])
+    rc = cli.main(GENERATE + ["--target", str(fx / "target"), "--drafter", "dflash",
+                              "--drafter-path", str(folder)])
     line = error_line(capsys, "generate")
     assert rc == 1 and str(folder) in line
     for w in words:
