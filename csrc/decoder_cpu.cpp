@@ -1,5 +1,6 @@
 // decoder_cpu.cpp: a Llama-style decoder stack on quantised weights in one call (CPU), for the
-// 1 to ~96 rows of a decode or verification step: per layer RMSNorm, the fused q/k/v
+// 1 to ~96 rows of a decode or verification step, or one row for each of a batch of sequences
+// (batched decoding, `seq_starts`; the corpus generator's loop): per layer RMSNorm, the fused q/k/v
 // projection, rotary embedding, the KV cache write, attention (the sharp kernel with mode none),
 // the output projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up,
 // the down projection and residual. The maths of transformers' LlamaDecoderLayer; the point is
@@ -69,7 +70,8 @@ std::vector<at::Tensor> llama_layers_cpu(
     const std::optional<at::Tensor>& attn_mask, at::TensorList input_norm,
     at::TensorList post_norm, at::TensorList qkv, at::TensorList o_proj, at::TensorList gate_up,
     at::TensorList down, at::IntArrayRef qtypes, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t intermediate_size, double eps, at::IntArrayRef capture) {
+    int64_t head_dim, int64_t intermediate_size, double eps, at::IntArrayRef capture,
+    const std::optional<at::Tensor>& seq_starts) {
   const int64_t layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "x must be a float32 CPU tensor (rows, hidden)");
@@ -105,6 +107,24 @@ std::vector<at::Tensor> llama_layers_cpu(
                         cos.is_contiguous() && sin.is_contiguous() &&
                         cos.scalar_type() == at::kFloat,
                     "cos and sin must be contiguous float32 (rows, head_dim)");
+  // Batched decoding (seq_starts given): row r is the next token of sequence r, whose keys and
+  // values are batch r of every cache; it is written at position seq_starts[r] and sees the
+  // keys 0 .. seq_starts[r]. Otherwise the m rows are one sequence's, written from `start`.
+  const bool batched = seq_starts.has_value();
+  at::Tensor starts, kv_lens;
+  int64_t end = start + m;
+  if (batched) {
+    TORCH_CHECK_VALUE(seq_starts->dim() == 1 && seq_starts->size(0) == m &&
+                          seq_starts->scalar_type() == at::kLong && seq_starts->device().is_cpu(),
+                      "seq_starts must be an int64 CPU tensor (rows,) = (", m, ",)");
+    TORCH_CHECK_VALUE(!attn_mask.has_value(), "seq_starts and attn_mask exclude each other");
+    starts = seq_starts->contiguous();
+    const int64_t lo = starts.min().item<int64_t>(), hi = starts.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= 0, "seq_starts must be >= 0, got ", lo);
+    end = hi + 1;
+    kv_lens = starts + 1;
+  }
+  const int64_t cache_batch = batched ? m : 1;
   at::Tensor x = x_in.contiguous().clone();
   at::Tensor qkv_out = at::empty({m, nq + 2 * nkv}, x.options());
   at::Tensor attn = at::empty({m, nq}, x.options());
@@ -117,15 +137,15 @@ std::vector<at::Tensor> llama_layers_cpu(
     }
   };
   keep(0);
-  const int64_t end = start + m;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& kc = key_cache[l];
     const at::Tensor& vc = value_cache[l];
-    TORCH_CHECK_VALUE(kc.dim() == 4 && kc.size(0) == 1 && kc.size(1) == Hk && kc.size(3) == D &&
-                          kc.size(2) >= end && kc.is_contiguous() && vc.sizes() == kc.sizes() &&
-                          vc.is_contiguous() && kc.scalar_type() == at::kFloat,
-                      "key_cache / value_cache [", l, "] must be contiguous float32 (1, ",
-                      Hk, ", capacity >= ", end, ", ", D, ")");
+    TORCH_CHECK_VALUE(kc.dim() == 4 && kc.size(0) == cache_batch && kc.size(1) == Hk &&
+                          kc.size(3) == D && kc.size(2) >= end && kc.is_contiguous() &&
+                          vc.sizes() == kc.sizes() && vc.is_contiguous() &&
+                          kc.scalar_type() == at::kFloat,
+                      "key_cache / value_cache [", l, "] must be contiguous float32 (",
+                      cache_batch, ", ", Hk, ", capacity >= ", end, ", ", D, ")");
     at::Tensor normed = rms_norm(x, input_norm[l], eps);
     linear(normed.data_ptr<float>(), m, H, qkv[l], qtypes[4 * l], nq + 2 * nkv,
            qkv_out.data_ptr<float>());
@@ -135,22 +155,28 @@ std::vector<at::Tensor> llama_layers_cpu(
     float* kbuf = kc.data_ptr<float>();
     float* vbuf = vc.data_ptr<float>();
     const int64_t cap = kc.size(2);
+    const int64_t* row_start = batched ? starts.data_ptr<int64_t>() : nullptr;
     for (int64_t r = 0; r < m; ++r) {
+      // (batch, position) of row r's key / value
+      const int64_t b = batched ? r : 0, pos = batched ? row_start[r] : start + r;
       for (int64_t h = 0; h < Hk; ++h) {
-        std::memcpy(kbuf + (h * cap + start + r) * D, q + r * (nq + 2 * nkv) + nq + h * D,
-                    D * sizeof(float));
-        std::memcpy(vbuf + (h * cap + start + r) * D, q + r * (nq + 2 * nkv) + nq + nkv + h * D,
-                    D * sizeof(float));
+        const int64_t at_row = ((b * Hk + h) * cap + pos) * D;
+        std::memcpy(kbuf + at_row, q + r * (nq + 2 * nkv) + nq + h * D, D * sizeof(float));
+        std::memcpy(vbuf + at_row, q + r * (nq + 2 * nkv) + nq + nkv + h * D, D * sizeof(float));
       }
     }
-    // (1, Hq, m, D) views of the q rows and of the cache's first `end` keys / values
-    const at::Tensor qv = qkv_out.narrow(1, 0, nq).view({m, Hq, D}).permute({1, 0, 2}).unsqueeze(0);
+    // views of the q rows, (1, Hq, m, D) or batched (m, Hq, 1, D), and of the caches' first
+    // `end` keys / values (batched: the first seq_starts[r] + 1 of batch r count, via kv_lens)
+    const at::Tensor qrows = qkv_out.narrow(1, 0, nq).view({m, Hq, D});
+    const at::Tensor qv = batched ? qrows.unsqueeze(2) : qrows.permute({1, 0, 2}).unsqueeze(0);
     const at::Tensor kv = kc.narrow(2, 0, end), vv = vc.narrow(2, 0, end);
+    std::optional<at::Tensor> lens;
+    if (batched) lens = kv_lens;
     Prepared pr = prepare_dense(qv, kv, vv, /*causal=*/!attn_mask.has_value(), std::nullopt,
-                                attn_mask, std::nullopt, std::nullopt, "none", 0.0, std::nullopt,
+                                attn_mask, lens, std::nullopt, "none", 0.0, std::nullopt,
                                 1, 0, 1.0, 1.0, 1.0, std::nullopt);
     cpu::sharp_attention_forward(pr.params, at::get_num_threads(), parallel_panels);
-    attn.view({m, Hq, D}).copy_(pr.out[0].permute({1, 0, 2}));
+    attn.view({m, Hq, D}).copy_(batched ? pr.out.squeeze(2) : pr.out[0].permute({1, 0, 2}));
     linear(attn.data_ptr<float>(), m, nq, o_proj[l], qtypes[4 * l + 1], H, proj.data_ptr<float>());
     x.add_(proj);
     normed = rms_norm(x, post_norm[l], eps);
@@ -170,7 +196,8 @@ TORCH_LIBRARY_FRAGMENT(sharpdraft, m) {
       "llama_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] key_cache, Tensor[] value_cache, "
       "int start, Tensor? attn_mask, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, "
       "Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, int[] qtypes, int num_heads, "
-      "int num_kv_heads, int head_dim, int intermediate_size, float eps, int[] capture) "
+      "int num_kv_heads, int head_dim, int intermediate_size, float eps, int[] capture, "
+      "Tensor? seq_starts=None) "
       "-> Tensor[]");
 }
 

@@ -174,3 +174,47 @@ def test_fused_layers_equal_the_modules_and_compute_each_row_alone(models, monke
     fused.crop(340)
     one = fused.forward(ids[:, 340:341]).logits[0]
     assert torch.equal(many, one)
+
+
+def test_batched_generation_on_the_blocks_is_target_only_decoding(models):
+    """`generate_batch` on a target with fused layers (the unpadded path: each prompt prefilled
+    alone, one `llama_layers` row per sequence at its own position) gives every prompt the
+    runtime's own target-only greedy response, token for token: prompts of different lengths,
+    one prefilled through the modules (> QUANT_MAX_ROWS tokens), and an EOS that ends one row
+    early so the batch is compacted mid-way."""
+    from sharpdraft.inference.batched import generate_batch
+
+    quant, tokenizer = models[1], models[2]
+    prompts = [_prompt(tokenizer, t)[0].tolist() for t in range(3)]
+    prompts.append(prompts[0][:12])
+    assert max(map(len, prompts)) > quantized.QUANT_MAX_ROWS > min(map(len, prompts))
+    alone = [autoregressive_generate(quant, torch.tensor([p]), 20).tokens for p in prompts]
+    eos = alone[1][4]                 # row 1 ends after 5 tokens: 3 of 4 rows live, compacted
+    alone = [autoregressive_generate(quant, torch.tensor([p]), 20, eos_token_id=eos).tokens
+             for p in prompts]
+    assert len(alone[1]) == 5 and max(map(len, alone)) == 20
+    batched = generate_batch(quant, prompts, 20, pad_token_id=0, eos_token_id=eos)
+    assert batched == alone
+
+
+def test_batched_llama_layers_refuses_bad_seq_starts(models):
+    from sharpdraft.target.runtime import TargetRuntime
+
+    f = TargetRuntime(models[1]).fused
+    x = torch.randn(2, 576)
+    cos, sin = torch.ones(2, f.head_dim), torch.zeros(2, f.head_dim)
+    cache = [torch.zeros(2, f.num_kv_heads, 8, f.head_dim) for _ in f.qkv]
+    args = (x, cos, sin, cache, cache, 0)
+    rest = (f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down, f.qtypes,
+            f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate_size, f.eps, [])
+    op = torch.ops.sharpdraft.llama_layers
+    with pytest.raises(ValueError, match="seq_starts must be >= 0"):
+        op(*args, None, *rest, torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match="seq_starts must be an int64"):
+        op(*args, None, *rest, torch.tensor([3]))
+    with pytest.raises(ValueError, match="exclude each other"):
+        op(*args, torch.ones(1, 1, 2, 8, dtype=torch.bool), *rest, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="capacity >= 9"):
+        op(*args, None, *rest, torch.tensor([3, 8]))
+    out = op(*args, None, *rest, torch.tensor([3, 5]))[0]
+    assert out.shape == (2, 576) and bool(torch.isfinite(out).all())

@@ -364,6 +364,9 @@ def cmd_data(args) -> dict:
     from ..training.loop import training_device
 
     device = training_device(args.device)
+    if args.weights == "auto":      # the GGUF's blocks where there are some (the fast path)
+        gguf = args.target is None or str(args.target).endswith(".gguf")
+        args.weights = "gguf" if gguf and device.type == "cpu" else "dense"
     if device.type == "cuda" and args.dtype == "float32":
         raise ValueError("--device cuda needs --dtype bfloat16 or float16 (the CUDA kernel's "
                          "dtypes)")

@@ -205,10 +205,13 @@ def parser() -> argparse.ArgumentParser:
     dg.add_argument("--target", default=None,
                     help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)")
     dg.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="target weights")
-    dg.add_argument("--weights", choices=["dense", "gguf", "q8_0", "q4_0", "q4_1"],
-                    default="dense",
+    dg.add_argument("--weights", choices=["auto", "dense", "gguf", "q8_0", "q4_0", "q4_1"],
+                    default="auto",
                     help="the target's linear weights: dense (--dtype), or quantised blocks with "
-                         "int8 kernels (gguf: the GGUF file's own; see `generate --weights`)")
+                         "int8 kernels (gguf: the GGUF file's own; see `generate --weights`), "
+                         "which take the unpadded batched path (about 4x dense's response "
+                         "tokens/s on 2 cores); auto: gguf for a GGUF target (the default "
+                         "one), else dense")
     dg.add_argument("--batches-per-shard", type=int, default=4,
                     help="first-turn batches per shard (plus one batch of follow-ups; may "
                          "change when resuming)")

@@ -1,5 +1,15 @@
 """Batched target-only decoding: many prompts answered at once, one forward per step for the
-whole batch (the corpus generator's loop; no drafter, no speculation)."""
+whole batch (the corpus generator's loop; no drafter, no speculation).
+
+Two paths, the same contract:
+- A target the runtime runs in one `llama_layers` call (`sharpdraft.target.fused`: a Llama on
+  its GGUF's quantised blocks): no padding. Each prompt is prefilled alone by a
+  `TargetRuntime` into its own row of batch-sized caches, then every step is one call over one
+  row per live sequence, each row at its own position and seeing only its own keys
+  (`seq_starts`). Every row is computed alone, so a greedy response is token for token the
+  runtime's target-only decoding of that prompt.
+- Any other causal LM: the Hugging Face modules over left-padded prompts (masked out).
+"""
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -7,6 +17,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
+from ..target.quantized import QUANT_MAX_ROWS
+from ..target.runtime import TargetRuntime
 from .sampling import sample_next
 
 COMPACT_AT = 0.75     # drop the finished rows once at most this fraction of the batch is live
@@ -29,9 +41,11 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    pad_token_id: int, eos_token_id: Optional[int], temperature: float = 0.0,
                    top_p: float = 1.0, seed: int = 0) -> List[List[int]]:
     """The model's responses to a batch of prompts: one forward per step for the whole batch,
-    prompts left-padded with `pad_token_id` (masked out; position ids count real tokens only),
-    keys and values in a `sharpdraft.target.PreallocatedCache` sized for the whole batch, and
-    rows that reached EOS dropped from the batch once a quarter of it has finished.
+    and rows that reached EOS dropped from the batch once a quarter of it has finished. A
+    target that `sharpdraft.target.fused` runs in one call (on CPU) takes the unpadded path of
+    the module docstring; any other, prompts left-padded with `pad_token_id` (masked out;
+    position ids count real tokens only) with keys and values in a
+    `sharpdraft.target.PreallocatedCache` sized for the whole batch.
 
     Args:
         model: a transformers causal LM (prepared with `sharpdraft.target.prepare_target` for
@@ -55,10 +69,15 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    if device.type == "cpu":
+        runtime = TargetRuntime(model)
+        if runtime.fused is not None:
+            return _unpadded(runtime, prompts, max_new_tokens, eos_token_id, temperature, top_p,
+                             generator)
     ids, mask = _left_padded(prompts, pad_token_id, max_new_tokens)
     ids, mask = ids.to(device), mask.to(device)
     width = ids.shape[1]
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     cache = PreallocatedCache(model.config.num_hidden_layers, width + max_new_tokens)
     out: List[List[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))       # the prompt index of each batch row
@@ -86,4 +105,61 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         mask[:, seen] = 1
         seen += 1
         step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+    return out
+
+
+def _unpadded(runtime: TargetRuntime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+              eos_token_id: Optional[int], temperature: float, top_p: float,
+              generator: Optional[torch.Generator]) -> List[List[int]]:
+    """`generate_batch` on a target with fused layers: each prompt prefilled alone into its
+    row of (B, kv heads, capacity, head dim) caches, then one `llama_layers` call a step with
+    one row per live sequence at its own position (`seq_starts`)."""
+    model, f = runtime.model, runtime.fused
+    decoder = model.get_decoder()
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    shape = (len(prompts), f.num_kv_heads, capacity, f.head_dim)
+    keys = [torch.empty(shape) for _ in range(runtime.num_layers)]   # rows past a length: unread
+    values = [torch.empty(shape) for _ in range(runtime.num_layers)]
+    rows = []
+    for b, p in enumerate(prompts):           # prefill: each prompt alone, no padding
+        runtime.start(len(p))
+        rows.append(runtime.forward(torch.tensor([list(p)]), last_only=True).logits[-1])
+        for layer, k, v in zip(runtime.cache.layers, keys, values):
+            k[b, :, :len(p)] = layer.key_buffer[0, :, :len(p)]
+            v[b, :, :len(p)] = layer.value_buffer[0, :, :len(p)]
+    runtime.cache = None
+    logits = torch.stack(rows)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    out: List[List[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))       # the prompt index of each batch row
+    finished = [False] * len(prompts)
+    head = model.get_output_embeddings()
+    for t in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_p, generator)
+        keep = []
+        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
+            if not finished[i]:
+                out[i].append(tok)
+                finished[i] = tok == eos_token_id
+            if not finished[i]:
+                keep.append(r)
+        if not keep or t == max_new_tokens - 1:
+            break
+        if len(keep) <= COMPACT_AT * len(live):      # compact: drop the finished rows
+            index = torch.tensor(keep)
+            keys = [k.index_select(0, index) for k in keys]
+            values = [v.index_select(0, index) for v in values]
+            nxt, lengths = nxt[index], lengths[index]
+            live = [live[r] for r in keep]
+        x = decoder.embed_tokens(nxt[:, None])                      # (B, 1, hidden)
+        cos, sin = decoder.rotary_emb(x, lengths[:, None])          # (B, 1, head dim)
+        hidden = torch.ops.sharpdraft.llama_layers(
+            x[:, 0], cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous(), keys,
+            values, 0, None, f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down,
+            f.qtypes, f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate_size, f.eps, [],
+            lengths)[0]
+        # the LM head in slices a decode step's kernel takes (QUANT_MAX_ROWS rows at most)
+        logits = torch.cat([head(decoder.norm(h)).float()
+                            for h in hidden.split(QUANT_MAX_ROWS)])
+        lengths = lengths + 1
     return out
