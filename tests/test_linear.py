@@ -224,3 +224,60 @@ def test_linear_paths_from_the_environment(monkeypatch):
         monkeypatch.setenv("SHARPDRAFT_LINEAR_PATHS", bad)
         with pytest.raises(ValueError, match="SHARPDRAFT_LINEAR_PATHS"):
             linear_paths()
+
+
+def _q8_reference(x, w):
+    """x w^T in float64 on what the Q8_0 path computes with: gguf-py's Q8_0 round trip of w
+    (llama.cpp's rule) and x rounded per 32-block to int8 steps of max|x| / 127 (half to even)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind = GGMLQuantizationType.Q8_0
+    wq = torch.from_numpy(dequantize(quantize(w.numpy(), kind), kind).reshape(w.shape).copy())
+    xb = x.reshape(-1, x.shape[-1] // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    xq = (torch.round(xb * inv).clamp(-127, 127) * d).reshape(x.shape)
+    return F.linear(xq.double(), wq.double()), F.linear(xq.double().abs(), wq.double().abs())
+
+
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_quant_path_runs_the_weight_re_quantised_to_q8_0(rows):
+    """QUANT_PATH (a drafter's, when the target runs on quantised blocks): the integer maths of
+    Q8_0 weights and int8 activations, held to a float32 bound against its float64 value, and
+    within the quantisation's error of the float layer; autograd still takes F.linear."""
+    g = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 48, bias=False)
+    mod = PackedLinear(lin, use_packed=(linears.QUANT_PATH,) * len(ROW_REGIMES))
+    x = torch.randn(rows, 96, generator=g)
+    with torch.no_grad():
+        out = mod(x)
+        ref, mag = _q8_reference(x, lin.weight.detach())
+        assert float(((out.double() - ref).abs() - 1e-5 * mag).max()) <= 0
+        exact = F.linear(x, lin.weight)
+        assert float((out - exact).norm() / exact.norm()) < 0.02
+        assert not torch.equal(out, exact)
+    y = mod(x.requires_grad_())
+    assert torch.equal(y, F.linear(x, lin.weight)) and y.requires_grad
+
+
+def test_prepare_drafter_weighs_the_quant_path_only_when_asked():
+    """prepare_drafter(quantised=True) lets the plan weigh QUANT_PATH; without it (or for the
+    target's own plans) no layer takes it; a drafter that opts out (True) is left alone."""
+    from sharpdraft.target.runtime import prepare_drafter
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
+    prepare_drafter(model, quantised=True)
+    assert linears.QUANT_PATH in model._sharpdraft_packed
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(set(m.use_packed) <= set(LINEAR_PATHS) | {linears.QUANT_PATH} for m in packed)
+    prepare_drafter(model, quantised=False)
+    assert linears.QUANT_PATH not in model._sharpdraft_packed
+    assert all(linears.QUANT_PATH not in m.use_packed
+               for m in model.modules() if isinstance(m, PackedLinear))
+    assert linears.QUANT_PATH not in {p for c in plan_linears(model, repeats=1).values()
+                                      for p in c}
+    opted = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    opted._sharpdraft_packed = True
+    prepare_drafter(opted, quantised=True)
+    assert type(opted[0]) is torch.nn.Linear

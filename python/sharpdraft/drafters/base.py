@@ -461,7 +461,10 @@ class Drafter(nn.Module):
         sharpdraft.target), gathered once and again only when the head's weight, its dtype
         or d2t change, instead of gathering (draft vocab x hidden) floats on every call."""
         w = lm_head.weight
-        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version)
+        paths = getattr(self, "_sharpdraft_packed", None)     # prepare_drafter's path set
+        paths = paths if isinstance(paths, tuple) else None
+        key = (w.data_ptr(), w._version, w.dtype, self.d2t.data_ptr(), self.d2t._version,
+               paths)
         cached = self.__dict__.get("_draft_head_cache")
         if cached is None or cached[0] != key:
             bias = getattr(lm_head, "bias", None)
@@ -471,7 +474,7 @@ class Drafter(nn.Module):
                 linear.weight.copy_(w[self.d2t])
                 if bias is not None:
                     linear.bias.copy_(bias[self.d2t])
-            cached = (key, as_packed(linear, plan_linears(linear)))
+            cached = (key, as_packed(linear, plan_linears(linear, paths=paths)))
             self.__dict__["_draft_head_cache"] = cached     # not a submodule: no state_dict
         return cached[1]
 

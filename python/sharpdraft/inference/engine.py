@@ -42,6 +42,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..target.quantized import is_quantised
 from ..target.runtime import TargetRuntime, prepare_drafter
 from .sampling import probabilities, sample_next
 
@@ -311,7 +312,7 @@ def _prefill(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, tem
     """
     capacity = _check(target, prompt_ids, max_new_tokens, temperature, max_drafts + 1)
     runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
-    prepare_drafter(drafter)
+    prepare_drafter(drafter, quantised=is_quantised(target))
     tick = _Progress(progress)
     start = time.perf_counter()
     runtime.start(capacity)

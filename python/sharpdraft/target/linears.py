@@ -30,8 +30,12 @@ def _packed_linear(x2d, packed, bias):
 
 
 # The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
-# and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32).
+# and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32), all the layer's own
+# maths up to float rounding; and QUANT_PATH, the weight re-quantised to GGUF Q8_0 blocks with
+# int8 activations (sharpdraft_ext.linear.quant_linear), which a drafter may take when the
+# target itself runs on quantised blocks (`prepare_drafter(quantised=True)`), never the target.
 LINEAR_PATHS = ("dense", "onednn", "panel")
+QUANT_PATH = "q8_0"
 # The row counts a plan tells apart: one row (a decode step), 2 .. 32 (a chain, block or small
 # tree verification) and 33 .. 96 (a wide tree's), each measured at one representative count.
 ROW_REGIMES = ((1, 1), (32, 8), (96, 64))          # (largest row count, rows measured at)
@@ -68,6 +72,8 @@ def paths_for(weight: torch.Tensor) -> tuple:
         paths.append("onednn")
     if weight.device.type == "cpu" and weight.dtype == torch.float32:
         paths.append("panel")
+        if weight.shape[1] % 32 == 0:
+            paths.append(QUANT_PATH)
     return tuple(paths)
 
 
@@ -77,6 +83,13 @@ def pack_weight(weight: torch.Tensor, path: str):
         return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
     if path == "panel":
         return ext.pack_linear_weight(weight)
+    if path == QUANT_PATH:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        blocks = quantize(weight.float().cpu().numpy(), GGMLQuantizationType.Q8_0)
+        return ext.linear.quant_pack(torch.from_numpy(blocks.copy()), QUANT_PATH,
+                                     weight.shape[0], weight.shape[1])
     return None
 
 
@@ -85,13 +98,17 @@ def run_path(path: str, x2d, weight, packed, bias):
         return _packed_linear(x2d, packed, bias)
     if path == "panel":   # the op itself checks its arguments (the wrapper would check twice)
         return torch.ops.sharpdraft.packed_linear(x2d, packed, weight.shape[0], bias)
+    if path == QUANT_PATH:
+        return torch.ops.sharpdraft.quant_linear(x2d.contiguous(), packed, QUANT_PATH,
+                                                 weight.shape[0], bias)
     return F.linear(x2d, weight, bias)
 
 
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (same `weight` and `bias` parameters) with prepacked copies of its weight.
     `use_packed` = one path per row regime of `ROW_REGIMES` (one row, up to 32, up to 96), each
-    one of `LINEAR_PATHS` (True means "onednn", False "dense"; see `plan_linears`); rows past
+    one of `LINEAR_PATHS` or `QUANT_PATH` (True means "onednn", False "dense"; see
+    `plan_linears`); rows past
     the last regime take its path. A path the weight cannot take (another
     device or dtype) and autograd fall back to `F.linear`, as the panel kernel does past
     PANEL_MAX_ROWS rows."""
@@ -103,7 +120,7 @@ class PackedLinear(nn.Linear):
         self.bias = linear.bias
         self.use_packed = tuple("onednn" if p is True else "dense" if p is False else p
                                 for p in use_packed)
-        bad = [p for p in self.use_packed if p not in LINEAR_PATHS]
+        bad = [p for p in self.use_packed if p not in LINEAR_PATHS + (QUANT_PATH,)]
         if len(self.use_packed) != len(ROW_REGIMES) or bad:
             raise ValueError(f"use_packed must be {len(ROW_REGIMES)} of {LINEAR_PATHS} (or "
                              f"booleans), one per ROW_REGIMES entry, got {use_packed!r}")
@@ -126,7 +143,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
         path = self.use_packed[min(bisect.bisect_left(_REGIME_TOPS, rows), len(_REGIME_TOPS) - 1)]
-        if path == "panel" and rows > PANEL_MAX_ROWS:
+        if path in ("panel", QUANT_PATH) and rows > PANEL_MAX_ROWS:
             path = "dense"                     # a prefill: past the rows the plan measured
         if (path == "dense" or x.dtype != self.weight.dtype or rows == 0
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
@@ -228,10 +245,18 @@ def as_packed(linear: nn.Module, plan: Dict[tuple, tuple]) -> nn.Module:
 
 def pack_linears(model: nn.Module, plan: Dict[tuple, tuple]) -> int:
     """Replace every CPU `nn.Linear` below `model` that `plan` packs by a `PackedLinear`
-    sharing its parameters (tied weights stay tied). Returns the number replaced."""
+    sharing its parameters (tied weights stay tied), and give a `PackedLinear` already there
+    the plan's paths. Returns the number replaced or re-planned."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                choice = plan.get((child.out_features, child.in_features, child.weight.dtype))
+                if choice and tuple(choice) != child.use_packed:
+                    child.use_packed = tuple(choice)
+                    child.repack()
+                    count += 1
+                continue
             new = as_packed(child, plan)
             if new is not child:
                 setattr(parent, name, new)

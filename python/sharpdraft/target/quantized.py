@@ -86,6 +86,11 @@ class QuantLinear(nn.Module):
                                                  bias)
 
 
+def is_quantised(model: nn.Module) -> bool:
+    """Whether any linear layer of `model` runs on quantised blocks (`QuantLinear`)."""
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
 def _gguf_reader(path: Path):
     """gguf-py's reader over `path`, or a one-line error naming the file (a truncated or
     corrupt GGUF)."""

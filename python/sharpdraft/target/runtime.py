@@ -38,7 +38,7 @@ from torch import nn
 from ..attention import SharpConfig, register, set_sharp_config
 from .kv_cache import CACHE_KWARG, PreallocatedCache
 from .fused import fused_layers
-from .linears import pack_linears, plan_linears
+from .linears import QUANT_PATH, linear_paths, pack_linears, plan_linears
 from .quantized import QUANT_MAX_ROWS
 
 
@@ -121,13 +121,24 @@ def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
     return model
 
 
-def prepare_drafter(drafter: nn.Module) -> nn.Module:
+def prepare_drafter(drafter: nn.Module, *, quantised: bool = False) -> nn.Module:
     """Prepack a drafter's own CPU linear layers by the same measured rule as the target's
-    (`plan_linears`), once; parameters and state_dict are untouched, and a packed weight is
-    repacked when training changes it."""
-    if not getattr(drafter, "_sharpdraft_packed", False):
-        pack_linears(drafter, plan_linears(drafter))
-        drafter._sharpdraft_packed = True
+    (`plan_linears`), once per setting; parameters and state_dict are untouched, and a packed
+    weight is repacked when training changes it (training itself runs F.linear).
+
+    Args:
+        quantised: let the plan also weigh `QUANT_PATH` (the weight re-quantised to Q8_0, int8
+            activations) where it measures faster; for a target that runs on quantised blocks
+            itself, whose drafts then cost what its own steps cost. The drafts may change
+            slightly (8-bit weights); what is committed does not (the target verifies).
+    """
+    done = getattr(drafter, "_sharpdraft_packed", None)
+    if done is True:                 # a drafter that opts out (weights that train online)
+        return drafter
+    paths = linear_paths() + ((QUANT_PATH,) if quantised else ())
+    if done != paths:
+        pack_linears(drafter, plan_linears(drafter, paths=paths))
+        drafter._sharpdraft_packed = paths
     return drafter
 
 
