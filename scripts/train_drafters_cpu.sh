@@ -9,7 +9,8 @@
 # OUT_ROOT (default runs/stage2): receives <drafter>-smollm2/ (copy config.json,
 # model.safetensors and training.json into python/sharpdraft/checkpoints/<drafter>-smollm2/,
 # train_log.jsonl into docs/training/<drafter>/ as train_log_stage<N>.jsonl).
-# Env: DRAFTERS (default "dflash eagle3 pard"; longspark too), INIT (default
+# Env: CORPUS (default corpus; corpus-broad is the broad one, docs/training.md), DRAFTERS
+# (default "dflash eagle3 pard"; longspark too), INIT (default
 # python/sharpdraft/checkpoints), THREADS (default 2), TOKENS (train response tokens taken from
 # the corpus, in corpus order; default all), LR_SCALE (default 1: `--lr-scale`, multiplies each
 # recipe's default peak learning rate; continuations of trained weights use 0.5, the shipped
@@ -39,7 +40,8 @@ LR_SCALE=${LR_SCALE:-1}
 SEED=${SEED:-0}
 CACHE_DTYPE=${CACHE_DTYPE:-float32}
 AUTOCAST=${AUTOCAST:-off}
-DATA=(--corpus corpus --tokens "$TOKENS" --threads "$THREADS" --steps 1000000
+CORPUS=${CORPUS:-corpus}
+DATA=(--corpus "$CORPUS" --tokens "$TOKENS" --threads "$THREADS" --steps 1000000
       --max-minutes "$MIN" --seed "$SEED" --cache-dtype "$CACHE_DTYPE" --autocast "$AUTOCAST")
 
 sharpdraft train dflash "${DATA[@]}" --cache-only --out "$OUT/dflash-smollm2"

@@ -24,7 +24,7 @@ from ..target.loading import DTYPES
 from ..target.quantized import WEIGHTS
 
 # the kind with the best geometric-mean decode speedup on the held-out task suite
-# (benchmarks/results/tasks-cpu: EAGLE-3 chain 0.70x, DFlash 0.55x on a 2-core Xeon)
+# (benchmarks/results/tasks-cpu: EAGLE-3 chain 0.75x, DFlash 0.55x on a 2-core Xeon)
 DEFAULT_DRAFTER = "eagle3"
 
 DESCRIPTION = "`sharpdraft` command line: speculative generation on a real target model."

@@ -36,6 +36,20 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad_token_id: int, max_new_to
     return ids, mask
 
 
+def _append(out: List[List[int]], finished: List[bool], live: List[int], tokens: List[int],
+            eos_token_id: Optional[int]) -> List[int]:
+    """Append each batch row's new token to its prompt's response (rows already finished
+    take none), mark the rows that reached EOS, and return the rows still running."""
+    keep = []
+    for r, (i, tok) in enumerate(zip(live, tokens)):
+        if not finished[i]:
+            out[i].append(tok)
+            finished[i] = tok == eos_token_id
+        if not finished[i]:
+            keep.append(r)
+    return keep
+
+
 @torch.no_grad()
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    pad_token_id: int, eos_token_id: Optional[int], temperature: float = 0.0,
@@ -81,20 +95,14 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     cache = PreallocatedCache(model.config.num_hidden_layers, width + max_new_tokens)
     out: List[List[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))       # the prompt index of each batch row
-    finished = [False] * len(prompts)
+    finished = [False] * len(prompts)      # by prompt index
     step_ids, seen = ids, width            # this forward's input ids; positions after it
     pos = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     for t in range(max_new_tokens):
         logits = model(input_ids=step_ids, attention_mask=mask[:, :seen], position_ids=pos,
                        **{CACHE_KWARG: cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
         nxt = sample_next(logits, temperature, top_p, generator)
-        keep = []
-        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
-            if not finished[i]:
-                out[i].append(tok)
-                finished[i] = tok == eos_token_id
-            if not finished[i]:
-                keep.append(r)
+        keep = _append(out, finished, live, nxt.tolist(), eos_token_id)
         if not keep or t == max_new_tokens - 1:
             break
         if len(keep) <= COMPACT_AT * len(live):      # compact: drop the finished rows
@@ -132,17 +140,11 @@ def _unpadded(runtime: TargetRuntime, prompts: Sequence[Sequence[int]], max_new_
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     out: List[List[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))       # the prompt index of each batch row
-    finished = [False] * len(prompts)
+    finished = [False] * len(prompts)      # by prompt index
     head = model.get_output_embeddings()
     for t in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_p, generator)
-        keep = []
-        for r, (i, tok) in enumerate(zip(live, nxt.tolist())):
-            if not finished[i]:
-                out[i].append(tok)
-                finished[i] = tok == eos_token_id
-            if not finished[i]:
-                keep.append(r)
+        keep = _append(out, finished, live, nxt.tolist(), eos_token_id)
         if not keep or t == max_new_tokens - 1:
             break
         if len(keep) <= COMPACT_AT * len(live):      # compact: drop the finished rows
