@@ -1,11 +1,11 @@
-// decoder_cpu.cpp: a Llama-style decoder stack on quantised weights in one call (CPU), for the
-// 1 to ~96 rows of a decode or verification step, or one row for each of a batch of sequences
-// (batched decoding, `seq_starts`; the corpus generator's loop): per layer RMSNorm, the fused q/k/v
+// decoder_cpu.cpp: a Llama-style decoder stack on quantised weights in one call (CPU), for the 1 to
+// ~96 rows of a decode or verification step, or one row for each of a batch of sequences (batched
+// decoding, `seq_starts`; the corpus generator's loop): per layer RMSNorm, the fused q/k/v
 // projection, rotary embedding, the KV cache write, attention (the sharp kernel with mode none),
-// the output projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up,
-// the down projection and residual. The maths of transformers' LlamaDecoderLayer; the point is
-// the cost around it: one op call a step instead of ~40 a layer from Python (measured: about 30
-// of a 52 ms decode step of SmolLM2-135M went to Python and small torch ops).
+// the output projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up, the
+// down projection and residual. The maths of transformers' LlamaDecoderLayer; the point is the cost
+// around it: one op call a step instead of ~40 a layer from Python (measured: about 30 of a 52 ms
+// decode step of SmolLM2-135M went to Python and small torch ops).
 //
 // Registered in ops.cpp's library as sharpdraft::llama_layers (schema there). Each row's result
 // depends on that row and the cache only (the lossless engine relies on it): the small ops are

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
-from ..target.quantized import QUANT_MAX_ROWS
+from ..target.quantized import QUANT_MAX_ROWS, is_quantised
 from ..target.runtime import TargetRuntime
 from .sampling import sample_next
 
@@ -84,7 +84,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    if device.type == "cpu":
+    if device.type == "cpu" and is_quantised(model):     # fused layers need quantised ones
         runtime = TargetRuntime(model)
         if runtime.fused is not None:
             return _unpadded(runtime, prompts, max_new_tokens, eos_token_id, temperature, top_p,
