@@ -709,3 +709,27 @@ def test_a_row_decoded_alone_equals_the_same_row_verified(hq, hk, p):
         block = ext.sharp_attention(q_all[:, :, :k], k_all[:, :, :p + k], v_all[:, :, :p + k],
                                     causal=True, mode="none")
         assert torch.equal(block[:, :, :1], alone), k
+
+
+@pytest.mark.parametrize("hq,hk", [(9, 3), (16, 4)])
+@pytest.mark.parametrize("prefix", [40, 500, 1015, 1530, 3000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_row_equals_the_same_row_decoded_alone(hq, hk, prefix, dtype):
+    """The lossless engine's premise for tree verification: a tree node's row (prefix visible,
+    then its ancestors and itself, among masked siblings) is the same bits as that row decoded
+    alone at the end of the contiguous sequence prefix + ancestors + itself, wherever block
+    (64 keys) and split (512 keys) boundaries fall among the nodes. Prefixes sit just before
+    a split boundary so that the nodes straddle it."""
+    g = torch.Generator().manual_seed(prefix + hq)
+    n, d = 24, 64
+    parents = [-1] + [int(torch.randint(0, t, (1,), generator=g)) for t in range(1, n)]
+    mask = tree_mask(n, prefix + n, prefix=prefix, parents=parents)
+    q = torch.randn(1, hq, n, d, generator=g).to(dtype)
+    k = torch.randn(1, hk, prefix + n, d, generator=g).to(dtype)
+    v = torch.randn(1, hk, prefix + n, d, generator=g).to(dtype)
+    tree = ext.sharp_attention(q, k, v, attn_mask=mask, mode="none")
+    for t in range(n):
+        keys = mask[t].nonzero().flatten()       # prefix, ancestors, itself, in key order
+        alone = ext.sharp_attention(q[:, :, t:t + 1], k[:, :, keys], v[:, :, keys],
+                                    causal=True, mode="none")
+        assert torch.equal(tree[:, :, t:t + 1], alone), (t, len(keys))

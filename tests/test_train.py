@@ -711,9 +711,12 @@ def test_every_recipe_main_writes_its_checkpoint(setup, monkeypatch, tmp_path, k
     default_lr = p.get_default("lr")
     summary = recipe.main(args)
     files = {f.name for f in (tmp_path / kind).iterdir()}
-    assert {"config.json", "model.safetensors", "training.json", "train_log.jsonl"} <= files
+    assert {"config.json", "model.safetensors", "training.json", "train_log.jsonl",
+            "README.md"} <= files
     saved = json.loads((tmp_path / kind / "training.json").read_text())
     assert saved["steps_done"] == summary["steps_done"] == 3
+    card_text = (tmp_path / kind / "README.md").read_text()
+    assert f"{registry.get(kind).title} drafter" in card_text and "- Steps: 3;" in card_text
     assert saved["args"]["lr"] == pytest.approx(default_lr * 0.5)
     assert saved["args"]["lr_scale"] == 0.5 and "cache_seconds" in saved
     assert {"best_eval", "evals", "init_from", "drafter_params", "train_data"} <= set(saved)
@@ -732,3 +735,36 @@ def test_every_recipe_main_writes_its_checkpoint(setup, monkeypatch, tmp_path, k
     assert again.sharp.n_ref == 40
     saved = json.loads((tmp_path / "more" / "training.json").read_text())
     assert saved["init_from"]["train_context"] == before
+
+
+def test_model_card_reports_the_records_and_the_suite(tmp_path):
+    """The card's figures come from training.json and a suite bench.json: wall time is cache
+    plus training seconds, tokens by source sum the kinds, and a category's speedup is the
+    geometric mean of its prompts' (here 2 and 0.5: 1.00x) with its identical count."""
+    from sharpdraft.training import card
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "train_context": 64}))
+    (tmp_path / "training.json").write_text(json.dumps({
+        "command": "sharpdraft train eagle3 --out x", "args": {"drafter": "eagle3", "threads": 2,
+                                                              "lr": 1e-3, "save_dtype": "bfloat16"},
+        "target": {"source": "/m/tiny.gguf", "package": "p", "version": "1", "sha256": "ab",
+                   "dtype": "float32"},
+        "drafter_params": 1234, "cache_seconds": 90.0, "train_seconds": 210.0, "steps_done": 77,
+        "trained_rows_seen": 5000, "best_eval": {"step": 70, "loss": 1.5, "tau_proxy": 2.25,
+                                                  "top1_per_position": [0.5]},
+        "train_data": {"corpus": "c", "split": "train", "response_tokens": 30, "max_len": 512,
+                       "response_tokens_per_kind": {"man/list": 10, "man/explain": 5,
+                                                    "kjv/list": 15}},
+        "heldout_data": {"corpus": "c", "split": "heldout", "response_tokens": 8}}))
+    run = lambda name, sp, same: {"tau": 2.0, "decode_speedup": sp, "identical_to_ar": same}
+    (tmp_path / "bench.json").write_text(json.dumps({"settings": {"max_new_tokens": 16}, "runs": [
+        {"kind": "story", "eagle3-chain-sharp": run("a", 2.0, True), "dflash-sharp": run("b", 9, 1)},
+        {"kind": "story", "eagle3-chain-sharp": run("a", 0.5, False)}]}))
+    text = card.render(tmp_path, suite=str(tmp_path / "bench.json"))
+    assert "Wall time: 5.0 min (1.5 min of target features, 3.5 min of training)" in text
+    assert "| man | 15 |" in text and "| kjv | 15 |" in text
+    assert "| eagle3-chain-sharp | story | 2.00 | 1.00x | 1/2 |" in text
+    assert "dflash" not in text.split("## Held-out results")[1]
+    assert "1,234 parameters" in text and "step 70" in text
+    (tmp_path / "training.json").write_text("{")
+    with pytest.raises(ValueError, match="training.json"):
+        card.render(tmp_path)

@@ -90,6 +90,14 @@ inline int64_t cardinality(const SharpParams& p, int64_t b, const RowInfo& r) {
   return n;
 }
 
+// Calls of at most kStepTokens query tokens split their keys in chunks of kStepChunkKeys.
+constexpr int64_t kStepTokens = 128, kStepChunkKeys = 512;
+
+inline bool step_sized(int64_t len_q) { return len_q <= kStepTokens; }
+inline int64_t step_chunks(int64_t kv_len) {
+  return std::max<int64_t>(1, (kv_len + kStepChunkKeys - 1) / kStepChunkKeys);
+}
+
 // n_i of every row of (batch, kv head) bh = b * Hk + hk, written like lse (SharpParams strides).
 void count_rows(const SharpParams& p, int64_t bh, int64_t* counts) {
   const int64_t G = p.heads_q / p.heads_k, b = bh / p.heads_k, hk = bh % p.heads_k;
@@ -101,12 +109,64 @@ void count_rows(const SharpParams& p, int64_t bh, int64_t* counts) {
   }
 }
 
+// A masked row's visible keys in [lo, hi): returns their count; with `bounds` (nb + 1 entries)
+// also where its chunks of kStepChunkKeys visible keys begin: bounds[0] = lo, bounds[c] = the
+// position of visible key number c * kStepChunkKeys (hi if there are fewer), bounds[nb] = hi.
+// Eight mask bytes at a time (bool bytes are 0 or 1).
+int64_t scan_mask_row(const bool* m, int64_t lo, int64_t hi, int64_t* bounds, int64_t nb) {
+  int64_t n = 0, c = 1;
+  int64_t next = INT64_MAX;  // the visible key number the next bound waits for
+  if (bounds) {
+    bounds[0] = lo;
+    for (int64_t i = 1; i <= nb; ++i) bounds[i] = hi;
+    if (nb > 1) next = kStepChunkKeys;
+  }
+  auto one = [&](int64_t j) {
+    if (!m[j]) return;
+    if (n == next) {
+      bounds[c++] = j;
+      next = c < nb ? next + kStepChunkKeys : INT64_MAX;
+    }
+    ++n;
+  };
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    uint64_t w;
+    std::memcpy(&w, m + j, 8);
+    const int64_t cnt = __builtin_popcountll(w);
+    if (n + cnt > next) {
+      for (int64_t e = j; e < j + 8; ++e) one(e);
+    } else {
+      n += cnt;
+    }
+  }
+  for (; j < hi; ++j) one(j);
+  return n;
+}
+
+// Per dense row (b, h, i) of a masked call: n_i (`counts`, when no override is given) and,
+// for step-sized batches, the chunk bounds (`bounds`, nb + 1 per row) of every row of
+// (batch, kv head) bh = b * Hk + hk.
+void scan_rows(const SharpParams& p, int64_t bh, int64_t* counts, int64_t* bounds, int64_t nb) {
+  const int64_t G = p.heads_q / p.heads_k, b = bh / p.heads_k, hk = bh % p.heads_k;
+  const int64_t len_q = seqlen_q_of(p, b), kv_len = seqlen_k_of(p, b);
+  const bool step = bounds && step_sized(len_q);
+  for (int64_t row = 0; row < len_q * G; ++row) {
+    const RowInfo ri = row_info(p, b, hk, row, len_q, kv_len);
+    const int64_t at = (b * p.heads_q + ri.h) * p.seqlen_q + ri.i;
+    const int64_t n = scan_mask_row(ri.mask_row, ri.range.lo, ri.range.hi,
+                                    step ? bounds + at * (nb + 1) : nullptr, nb);
+    if (counts) counts[at] = n;
+  }
+}
+
 // ---- work decomposition ------------------------------------------------------------------
 struct WorkItem {
   int64_t b, hk, row0, rows, len_q, kv_len;
   int64_t k_lo, k_hi;  // key split
   int64_t slot;        // split-KV workspace slot (rows of kMaxTileRows), -1: write the output
   int64_t cost;        // rough amount of work, for longest-first scheduling
+  int64_t chunk;       // step-sized calls: which chunk of each row's visible keys; -1: k_lo..k_hi
 };
 
 struct Plan {
@@ -117,9 +177,6 @@ struct Plan {
   std::vector<Merge> merges;
   int64_t slots = 0;
 };
-
-// Calls of at most kStepTokens query tokens split their keys in chunks of kStepChunkKeys.
-constexpr int64_t kStepTokens = 128, kStepChunkKeys = 512;
 
 Plan make_plan(const SharpParams& p, int num_threads) {
   const int64_t G = p.heads_q / p.heads_k;
@@ -149,27 +206,29 @@ Plan make_plan(const SharpParams& p, int num_threads) {
   }
   Plan plan;
   for (const Tile& t : tiles) {
-    // A step-sized call (decode, verification): keys split at fixed absolute positions, so a
-    // row's arithmetic depends on its own keys only, never on how many rows or keys the call
-    // holds (a row decoded alone and the same row verified among others give the same bits:
-    // the lossless engine needs it). A single live chunk merges to exactly the unsplit result.
+    // A step-sized call (decode, verification): each row's visible keys split in chunks of
+    // kStepChunkKeys counted in key order (for a row without a mask, at fixed positions from
+    // its first key), each chunk computed in two passes (TileTask::exact). A row's arithmetic
+    // then depends on its own visible keys only, never on how many rows or keys the call
+    // holds nor on where masked keys fall: a row decoded alone and the same row verified
+    // among others, or as a node of a tree, give the same bits (the lossless engine needs
+    // it). A single live chunk merges to exactly the unsplit result.
+    const bool step = step_sized(t.len_q);
     const int64_t s_here =
-        t.len_q <= kStepTokens
-            ? (t.kv_len + kStepChunkKeys - 1) / kStepChunkKeys
-            : std::min<int64_t>(splits, std::max<int64_t>(1, t.kv_len / 512));
+        step ? step_chunks(t.kv_len)
+             : std::min<int64_t>(splits, std::max<int64_t>(1, t.kv_len / 512));
     if (s_here == 1) {
       plan.items.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, 0, t.kv_len, -1,
-                            t.rows * std::max<int64_t>(t.kv_len, 1)});
+                            t.rows * std::max<int64_t>(t.kv_len, 1), step ? 0 : -1});
       continue;
     }
-    const int64_t chunk = t.len_q <= kStepTokens ? kStepChunkKeys
-                                                 : ((t.kv_len + s_here - 1) / s_here + 63) / 64 * 64;
+    const int64_t chunk = step ? kStepChunkKeys : ((t.kv_len + s_here - 1) / s_here + 63) / 64 * 64;
     const int64_t slot0 = plan.slots;
     int64_t n = 0;
     for (int64_t k0 = 0; k0 < t.kv_len; k0 += chunk, ++n) {
       const int64_t k1 = std::min(k0 + chunk, t.kv_len);
       plan.items.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, k0, k1, slot0 + n,
-                            t.rows * (k1 - k0)});
+                            t.rows * (k1 - k0), step ? n : -1});
     }
     plan.merges.push_back({t.b, t.hk, t.row0, t.rows, t.len_q, t.kv_len, slot0, n});
     plan.slots += n;
@@ -179,13 +238,20 @@ Plan make_plan(const SharpParams& p, int num_threads) {
   return plan;
 }
 
+// The tile kernel's workspace (tile_scratch_floats() floats), one per thread, kept across calls:
+// the kernel writes every float it reads, so it is neither zeroed nor reallocated per call.
+float* tile_workspace() {
+  thread_local std::vector<float> buf(tile_scratch_floats());
+  return buf.data();
+}
+
 struct Scratch {
-  std::vector<float> q, q_rows, acc, m, l, work, row;
+  std::vector<float> q, q_rows, acc, m, l, row;
   std::vector<int64_t> lo, hi;
   std::vector<const bool*> mask_rows;
   explicit Scratch(int64_t dp)
       : q(kMaxTileRows * dp), q_rows(kMaxTileRows * dp), acc(kMaxTileRows * dp), m(kMaxTileRows), l(kMaxTileRows),
-        work(tile_scratch_floats()), row(dp), lo(kMaxTileRows), hi(kMaxTileRows),
+        row(dp), lo(kMaxTileRows), hi(kMaxTileRows),
         mask_rows(kMaxTileRows) {}
 };
 
@@ -208,9 +274,10 @@ void run_dynamic(int64_t n, int num_threads, const ParallelFor& pf, int64_t dp, 
   }
 }
 
-// counts: n_i of every dense row (b, h, i) when a mask is given (counted once, not per split).
-void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts, Scratch& sc,
-              float* ws_out, float* ws_lse) {
+// counts: n_i of every dense row (b, h, i) when a mask is given (counted once, not per split);
+// bounds: the chunk bounds of every dense row of a masked step-sized call (nb + 1 per row).
+void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts,
+              const int64_t* bounds, int64_t nb, Scratch& sc, float* ws_out, float* ws_lse) {
   const int64_t D = p.head_dim, Dp = (D + 15) / 16 * 16;
   const int64_t Rp = (w.rows + 15) / 16 * 16;
   const int64_t eb = elem_bytes(p.dtype);
@@ -246,8 +313,17 @@ void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts, Sc
       sc.q[d * Rp + r] = qr[d];
     }
     std::fill(qr + D, qr + Dp, 0.f);
-    sc.lo[r] = std::max(ri.range.lo, w.k_lo);
-    sc.hi[r] = std::min(ri.range.hi, w.k_hi);
+    if (w.chunk < 0) {
+      sc.lo[r] = std::max(ri.range.lo, w.k_lo);
+      sc.hi[r] = std::min(ri.range.hi, w.k_hi);
+    } else if (ri.mask_row) {
+      const int64_t* bd = bounds + ((w.b * p.heads_q + ri.h) * p.seqlen_q + ri.i) * (nb + 1);
+      sc.lo[r] = bd[w.chunk];
+      sc.hi[r] = bd[w.chunk + 1];
+    } else {
+      sc.lo[r] = std::min(ri.range.lo + w.chunk * kStepChunkKeys, ri.range.hi);
+      sc.hi[r] = std::min(sc.lo[r] + kStepChunkKeys, ri.range.hi);
+    }
     sc.mask_rows[r] = ri.mask_row;
     if (sc.hi[r] > sc.lo[r]) {
       t.k_begin = std::min(t.k_begin, sc.lo[r]);
@@ -265,7 +341,8 @@ void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts, Sc
   t.acc = sc.acc.data();
   t.m = sc.m.data();
   t.l = sc.l.data();
-  t.scratch = sc.work.data();
+  t.scratch = tile_workspace();
+  t.exact = w.chunk >= 0 && t.k_end - t.k_begin <= kExactSpan;
   if (t.k_end > t.k_begin) isa().fn(t);
 
   for (int64_t r = 0; r < w.rows; ++r) {
@@ -326,23 +403,31 @@ const char* isa_name() { return isa().name; }
 void sharp_attention_forward(const SharpParams& p, int num_threads, const ParallelFor& pf) {
   const Plan plan = make_plan(p, num_threads);
   const int64_t Dp = (p.head_dim + 15) / 16 * 16;
-  // With a mask, count each row's visible keys once up front (dense layout: masks are dense).
-  std::vector<int64_t> counts;
-  if (p.mask && !p.n_visible) {
-    counts.resize(p.batch * p.heads_q * p.seqlen_q);
-    SharpParams cp = p;
-    cp.lse_batch_stride = p.heads_q * p.seqlen_q;
-    cp.lse_head_stride = p.seqlen_q;
-    cp.lse_row_stride = 1;
-    run_dynamic(p.batch * p.heads_k, num_threads, pf, Dp,
-                [&](int64_t bh, Scratch&) { count_rows(cp, bh, counts.data()); });
+  // With a mask, scan each row's visible keys once up front: n_i (dense layout: masks are
+  // dense) and, for step-sized batches, where its chunks of visible keys begin.
+  std::vector<int64_t> counts, bounds;
+  int64_t nb = 0;
+  if (p.mask) {
+    bool any_step = false;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      if (!step_sized(seqlen_q_of(p, b))) continue;
+      any_step = true;
+      nb = std::max(nb, step_chunks(seqlen_k_of(p, b)));
+    }
+    if (!p.n_visible) counts.resize(p.batch * p.heads_q * p.seqlen_q);
+    if (any_step) bounds.resize(p.batch * p.heads_q * p.seqlen_q * (nb + 1));
+    if (!counts.empty() || !bounds.empty()) run_dynamic(p.batch * p.heads_k, num_threads, pf, Dp, [&](int64_t bh, Scratch&) {
+      scan_rows(p, bh, counts.empty() ? nullptr : counts.data(),
+                bounds.empty() ? nullptr : bounds.data(), nb);
+    });
   }
   const int64_t* cnt = counts.empty() ? nullptr : counts.data();
   std::vector<float> ws_out(plan.slots * kMaxTileRows * p.head_dim);
   std::vector<float> ws_lse(plan.slots * kMaxTileRows);
   run_dynamic(static_cast<int64_t>(plan.items.size()), num_threads, pf, Dp,
               [&](int64_t i, Scratch& sc) {
-                run_item(p, plan.items[i], cnt, sc, ws_out.data(), ws_lse.data());
+                run_item(p, plan.items[i], cnt, bounds.data(), nb, sc, ws_out.data(),
+                         ws_lse.data());
               });
   run_dynamic(static_cast<int64_t>(plan.merges.size()), num_threads, pf, Dp,
               [&](int64_t i, Scratch& sc) {

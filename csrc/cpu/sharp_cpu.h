@@ -59,14 +59,18 @@ struct TileTask {
   float* m = nullptr;           // running max of the scores (natural-log units); -inf on entry
   float* l = nullptr;           // running sum; 0 on entry
   float* scratch = nullptr;     // tile_scratch_floats() floats
+  // Two-pass softmax (the whole range's scores before any weight; k_end - k_begin <=
+  // kExactSpan): a row's bits depend only on its visible keys, in order (step-sized calls).
+  bool exact = false;
 };
 
-constexpr int kKeyBlock = 64;  // keys per block of the tile kernel
+constexpr int kKeyBlock = 64;     // keys per block of the tile kernel
+constexpr int kExactSpan = 1024;  // most keys a two-pass (exact) tile spans
 
 // Floats of scratch a TileTask needs: a K block and a V block converted to float32, and the
-// block's scores (keys x rows).
+// scores (keys x rows) of a block, or of the whole range of an exact tile.
 constexpr int64_t tile_scratch_floats() {
-  return 2 * int64_t(kKeyBlock) * kMaxHeadDim + int64_t(kKeyBlock) * kMaxTileRows;
+  return 2 * int64_t(kKeyBlock) * kMaxHeadDim + int64_t(kExactSpan) * kMaxTileRows;
 }
 
 using TileFn = void (*)(const TileTask&);

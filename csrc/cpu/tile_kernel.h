@@ -7,7 +7,8 @@
 // inside the ISA namespace is built for that instruction set (nothing another unit could share);
 // the unit pops it after defining its entry point. No std containers here: only raw buffers.
 //
-// Algorithm (spec §3), one block of kKeyBlock keys at a time:
+// Algorithm (spec §3), one block of kKeyBlock keys at a time (two passes when TileTask::exact,
+// see attend_exact):
 //   S^T = K Q^T with the SIMD lanes running over query rows (Q^T is packed once per tile and
 //   already carries c_i = beta_i * scale, so the scaling costs nothing per score); K is read in
 //   place (float32) or converted once per block (16-bit); masking only on blocks some row does
@@ -249,26 +250,30 @@ inline void pv_rows(int nr_left, int nv, bool safe, const float* pt, int64_t Rp,
   }
 }
 
+// ---- masking: -inf for the keys a row cannot see ------------------------------------------
+// Rows r0 .. r0 + VW of block [k0, k0 + nk); rows that see the whole block are left alone.
+inline void mask_block(const TileTask& t, int r0, int64_t k0, int nk, const bool* row_full,
+                       float* st) {
+  const int64_t Rp = t.rows_padded;
+  for (int r = r0; r < r0 + VW && r < t.rows; ++r) {
+    if (row_full[r]) continue;
+    const int64_t lo = t.lo[r], hi = t.hi[r];
+    const bool* mrow = t.mask_rows ? t.mask_rows[r] : nullptr;
+    for (int j = 0; j < nk; ++j) {
+      const int64_t key = k0 + j;
+      const bool vis = key >= lo && key < hi && (!mrow || mrow[key]);
+      if (!vis) st[j * Rp + r] = -__builtin_inff();
+    }
+  }
+}
+
 // ---- online softmax over one row vector (lanes = rows r0 .. r0 + VW) ----------------------
-// Masks what each row cannot see (unless `full`), turns scores into weights in place, updates
-// m and l, and rescales the rows' accumulators.
+// Masks what each row cannot see, turns scores into weights in place, updates m and l, and
+// rescales the rows' accumulators.
 inline void softmax_rows(const TileTask& t, int r0, int64_t k0, int nk, const bool* row_full,
                          float* st) {
   const int64_t Rp = t.rows_padded;
-  bool full = true;  // padding rows are left unmasked: their weights are never used
-  for (int r = r0; r < r0 + VW && r < t.rows; ++r) full &= row_full[r];
-  if (!full) {
-    for (int r = r0; r < r0 + VW; ++r) {
-      if (r < t.rows && row_full[r]) continue;
-      const int64_t lo = t.lo[r], hi = t.hi[r];
-      const bool* mrow = t.mask_rows && r < t.rows ? t.mask_rows[r] : nullptr;
-      for (int j = 0; j < nk; ++j) {
-        const int64_t key = k0 + j;
-        const bool vis = key >= lo && key < hi && (!mrow || mrow[key]);
-        if (!vis) st[j * Rp + r] = -__builtin_inff();
-      }
-    }
-  }
+  mask_block(t, r0, k0, nk, row_full, st);
   vf bmax = load(st + r0);
   for (int j = 1; j < nk; ++j) {
     const vf x = load(st + j * Rp + r0);
@@ -330,8 +335,58 @@ inline bool sees_all(const TileTask& t, int r, int64_t k0, int nk) {
          (!t.mask_rows || all_true(t.mask_rows[r] + k0, nk));
 }
 
+// Raw scores of block [k0, k0 + nk) into st (keys x rows_padded), for row chunks of QK_RV
+// vectors that see the block; chunks whose rows all miss it get `dead` (and chunk_live false).
 template <int kD>
-void attend(const TileTask& t) {
+void block_scores(const TileTask& t, int64_t k0, int nk, const float* k, int64_t ks, float* st,
+                  float dead, bool* chunk_live) {
+  const int64_t D = kD ? kD : t.head_dim, Rp = t.rows_padded;
+  for (int c = 0, ci = 0; c < Rp; c += QK_RV * VW, ++ci) {
+    const int nr = static_cast<int>((Rp - c) / VW < QK_RV ? (Rp - c) / VW : QK_RV);
+    chunk_live[ci] = false;
+    for (int r = c; r < c + nr * VW && r < t.rows; ++r) chunk_live[ci] |= sees_block(t, r, k0, nk);
+    if (!chunk_live[ci]) {  // a PV row group may straddle live and dead chunks
+      const vf fill = splat(dead);
+      for (int j = 0; j < nk; ++j)
+        for (int n = 0; n < nr; ++n) store(st + j * Rp + c + n * VW, fill);
+    } else if (t.rows > kDotRows) {
+      qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
+    }
+  }
+  if (t.rows <= kDotRows && chunk_live[0]) {
+    for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * t.dim_padded, D, k, ks, nk, st + r, Rp);
+  }
+}
+
+// acc += P V over block [k0, k0 + nk) (weights in st), head-dim chunks outermost so each chunk
+// of V stays in L1 across row groups.
+inline void block_pv(const TileTask& t, int64_t k0, int nk, const bool* row_full, const float* st,
+                     const float* v, int64_t vs) {
+  const int64_t Dp = t.dim_padded, Rp = t.rows_padded;
+  bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {}, any_masked = false;
+  for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
+    for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) {
+      group_live[g] |= sees_block(t, r, k0, nk);
+      group_masked[g] |= !row_full[r];
+    }
+    any_masked |= group_live[g] && group_masked[g];
+  }
+  const bool v_finite = !any_masked || all_finite(v, vs, nk, Dp);
+  for (int64_t c = 0; c < Dp; c += PV_DV * VW) {
+    const int nv = static_cast<int>((Dp - c) / VW < PV_DV ? (Dp - c) / VW : PV_DV);
+    for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
+      const int nr = t.rows - r0 < PV_ROWS ? t.rows - r0 : PV_ROWS;
+      if (group_live[g]) {
+        pv_rows(nr, nv, group_masked[g] && !v_finite, st + r0, Rp, v + c, vs, nk,
+                t.acc + r0 * Dp + c, Dp);
+      }
+    }
+  }
+}
+
+// One pass, online softmax: a running max per row, rescaled block by block.
+template <int kD>
+void attend_online(const TileTask& t) {
   const int64_t D = kD ? kD : t.head_dim, Dp = t.dim_padded, Rp = t.rows_padded;
   float* kb = t.scratch;            // (BK, Dp) converted keys
   float* vb = kb + BK * kMaxHeadDim;  // (BK, Dp) converted values
@@ -343,46 +398,81 @@ void attend(const TileTask& t) {
     int64_t ks, vs;
     const float* k = block_rows(t.k, t.k_row_stride, f32, t.dtype, k0, nk, D, Dp, kb, ks);
     const float* v = block_rows(t.v, t.v_row_stride, v_in_place, t.dtype, k0, nk, D, Dp, vb, vs);
-    // Scores for row chunks of QK_RV vectors; chunks whose rows all miss the block are skipped.
-    bool chunk_live[kMaxTileRows] = {};
-    for (int c = 0, ci = 0; c < Rp; c += QK_RV * VW, ++ci) {
-      const int nr = static_cast<int>((Rp - c) / VW < QK_RV ? (Rp - c) / VW : QK_RV);
-      for (int r = c; r < c + nr * VW && r < t.rows; ++r) chunk_live[ci] |= sees_block(t, r, k0, nk);
-      if (!chunk_live[ci]) {  // weights of 0: a PV row group may straddle live and dead chunks
-        for (int j = 0; j < nk; ++j)
-          for (int n = 0; n < nr; ++n) store(st + j * Rp + c + n * VW, vf{});
-      } else if (t.rows > kDotRows) {
-        qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
-      }
-    }
-    if (t.rows <= kDotRows && chunk_live[0]) {
-      for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * Dp, D, k, ks, nk, st + r, Rp);
-    }
+    bool chunk_live[kMaxTileRows];
+    block_scores<kD>(t, k0, nk, k, ks, st, 0.f, chunk_live);  // dead rows: weights of 0
     bool row_full[kMaxTileRows];
     for (int r = 0; r < t.rows; ++r) row_full[r] = sees_all(t, r, k0, nk);
     for (int r0 = 0; r0 < Rp; r0 += VW) {
       if (chunk_live[r0 / (QK_RV * VW)]) softmax_rows(t, r0, k0, nk, row_full, st);
     }
-    // acc += P V, head-dim chunks outermost so each chunk of V stays in L1 across row groups.
-    bool group_live[kMaxTileRows] = {}, group_masked[kMaxTileRows] = {}, any_masked = false;
-    for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
-      for (int r = r0; r < r0 + PV_ROWS && r < t.rows; ++r) {
-        group_live[g] |= sees_block(t, r, k0, nk);
-        group_masked[g] |= !row_full[r];
-      }
-      any_masked |= group_live[g] && group_masked[g];
+    block_pv(t, k0, nk, row_full, st, v, vs);
+  }
+}
+
+// Two passes (t.exact): every score of the range first, so each row's max is final before any
+// weight; then weights, their sum and acc += P V, one key after another. Masked keys add exact
+// zeros and no rescaling happens, so a row's result depends only on its visible keys' values
+// in key order, not on where block boundaries or masked keys fall: a tree node's row is the
+// same bits as the row decoded alone (the lossless engine's premise, docs/runtime.md).
+template <int kD>
+void attend_exact(const TileTask& t) {
+  const int64_t D = kD ? kD : t.head_dim, Dp = t.dim_padded, Rp = t.rows_padded;
+  float* kb = t.scratch;            // (BK, Dp) converted keys
+  float* vb = kb + BK * kMaxHeadDim;  // (BK, Dp) converted values
+  float* sc = vb + BK * kMaxHeadDim;  // (k_end - k_begin, Rp) scores, then weights
+  const bool f32 = t.dtype == DType::kFloat32;
+  const bool v_in_place = f32 && D == Dp;
+  for (int64_t k0 = t.k_begin; k0 < t.k_end; k0 += BK) {
+    const int nk = static_cast<int>(t.k_end - k0 < BK ? t.k_end - k0 : BK);
+    float* st = sc + (k0 - t.k_begin) * Rp;
+    int64_t ks;
+    const float* k = block_rows(t.k, t.k_row_stride, f32, t.dtype, k0, nk, D, Dp, kb, ks);
+    bool chunk_live[kMaxTileRows];
+    block_scores<kD>(t, k0, nk, k, ks, st, -__builtin_inff(), chunk_live);  // dead: weight 0
+    bool row_full[kMaxTileRows];
+    for (int r = 0; r < t.rows; ++r) row_full[r] = sees_all(t, r, k0, nk);
+    for (int r0 = 0; r0 < Rp; r0 += VW) {
+      if (chunk_live[r0 / (QK_RV * VW)]) mask_block(t, r0, k0, nk, row_full, st);
     }
-    const bool v_finite = !any_masked || all_finite(v, vs, nk, Dp);
-    for (int64_t c = 0; c < Dp; c += PV_DV * VW) {
-      const int nv = static_cast<int>((Dp - c) / VW < PV_DV ? (Dp - c) / VW : PV_DV);
-      for (int r0 = 0, g = 0; r0 < t.rows; r0 += PV_ROWS, ++g) {
-        const int nr = t.rows - r0 < PV_ROWS ? t.rows - r0 : PV_ROWS;
-        if (group_live[g]) {
-          pv_rows(nr, nv, group_masked[g] && !v_finite, st + r0, Rp, v + c, vs, nk,
-                  t.acc + r0 * Dp + c, Dp);
-        }
-      }
+  }
+  // Every row vector, dead ones too: a row that sees nothing keeps m = -inf, gets weights of
+  // exp(-inf) = 0 and l = 0 (a PV row group may straddle it and live rows).
+  const int64_t span = t.k_end - t.k_begin;
+  for (int r0 = 0; r0 < Rp; r0 += VW) {
+    vf m = load(t.m + r0);
+    for (int64_t j = 0; j < span; ++j) {
+      const vf x = load(sc + j * Rp + r0);
+      m = x > m ? x : m;
     }
+    store(t.m + r0, m);
+  }
+  for (int64_t k0 = t.k_begin; k0 < t.k_end; k0 += BK) {
+    const int nk = static_cast<int>(t.k_end - k0 < BK ? t.k_end - k0 : BK);
+    float* st = sc + (k0 - t.k_begin) * Rp;
+    for (int r0 = 0; r0 < Rp; r0 += VW) {
+      const vf ms = safe_max(load(t.m + r0));
+      vf l = load(t.l + r0);
+      for (int j = 0; j < nk; ++j) {
+        const vf p = Expv{}(load(st + j * Rp + r0) - ms);
+        store(st + j * Rp + r0, p);
+        l += p;
+      }
+      store(t.l + r0, l);
+    }
+    int64_t vs;
+    const float* v = block_rows(t.v, t.v_row_stride, v_in_place, t.dtype, k0, nk, D, Dp, vb, vs);
+    bool row_full[kMaxTileRows];
+    for (int r = 0; r < t.rows; ++r) row_full[r] = sees_all(t, r, k0, nk);
+    block_pv(t, k0, nk, row_full, st, v, vs);
+  }
+}
+
+template <int kD>
+void attend(const TileTask& t) {
+  if (t.exact) {
+    attend_exact<kD>(t);
+  } else {
+    attend_online<kD>(t);
   }
 }
 

@@ -428,10 +428,8 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
                               generator: Optional[torch.Generator] = None,
                               progress=None) -> GenerationResult:
     """Tree speculative decoding (batch size 1), lossless, with a drafter whose session has
-    `propose_tree` (EAGLE-3). Greedy output equals target-only output exactly on float
-    weights; on the quantised runtime a node's keys, verified at another cache index, round
-    differently and int8 activations can amplify that into a flipped near-tie
-    (docs/runtime.md).
+    `propose_tree` (EAGLE-3). Greedy output equals target-only output exactly: the kernel
+    computes a tree node's row with the same bits as the row decoded alone (docs/runtime.md).
 
     Each step the drafter proposes a tree of N nodes (`DraftTree`); the target runs once over
     [last ; nodes] with a tree mask (every node sees the committed prefix, the root, its

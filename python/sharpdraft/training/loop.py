@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from ..target.precision import choose_autocast
 from ..drafters.common import evenly_spaced_layers
+from . import card
 from .cache import autocast_to, cached_features
 from .losses import draft_vocabulary
 
@@ -368,8 +369,8 @@ def run_meta(args, provenance, drafter, init_layers, train, held) -> dict:
 
 
 def finish(out: Path, meta: dict, result: dict) -> dict:
-    """Write training.json (meta, steps, time, tokens seen, best and all evaluations) and print a
-    summary; returns it."""
+    """Write training.json (meta, steps, time, tokens seen, best and all evaluations) and the
+    model card README.md made from it (`card`), and print a summary; returns it."""
     hist = result["history"]
     summary = {**meta, "steps_done": result["steps_done"],
                "train_seconds": round(result["seconds"], 1),
@@ -380,6 +381,7 @@ def finish(out: Path, meta: dict, result: dict) -> dict:
     tmp = Path(out) / "training.json.partial"
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, Path(out) / "training.json")
+    card.write(out)
     print(json.dumps({k: summary[k] for k in ("steps_done", "train_seconds", "trained_rows_seen",
                                               "best_eval")}, indent=2))
     return summary
@@ -493,7 +495,8 @@ def run_recipe(recipe: Recipe, args: argparse.Namespace) -> dict:
         drafter, init_layers = recipe.build(args, target, tokenizer, train)
     plan = recipe.plan(args, drafter, target, train, held, init is not None)
     out = Path(args.out)
-    meta = {**run_meta(args, provenance, drafter, init_layers, train, held),
+    meta = {"drafter": recipe.name,
+            **run_meta(args, provenance, drafter, init_layers, train, held),
             "init_from": init, "cache_seconds": round(cache_s, 1)}
     print(f"sharpdraft train {recipe.name}: {meta['drafter_params'] / 1e6:.2f}M parameters"
           f"{plan.note}", file=sys.stderr)
