@@ -691,15 +691,17 @@ def test_query_scale_backward_to_per_head_slopes():
     assert slope.grad.tolist() == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("hq,hk", [(9, 3), (8, 2), (16, 4)])
+@pytest.mark.parametrize("hq,hk", [(9, 3), (8, 2), (16, 4), (16, 8), (4, 4)])
 @pytest.mark.parametrize("p", [100, 511, 512, 600, 1400, 3000])
 def test_a_row_decoded_alone_equals_the_same_row_verified(hq, hk, p):
     """The lossless engine's premise at the kernel: row p's output (causal, position p) is the
     same bits whether the call holds just it (a decode step, p + 1 keys) or it leads a block of
     k rows (a verification, p + k keys), whatever k. Step-sized calls split keys at fixed
-    positions, so crossing a split boundary does not change a row's arithmetic."""
+    positions, so crossing a split boundary does not change a row's arithmetic; with at most
+    2 query heads a KV head (16/8, 4/4) the decode step scores by the dot-product path and the
+    verification in the same order."""
     g = torch.Generator().manual_seed(p + hq)
-    d = 64    # (at most 2 rows per KV head a decode takes the dot-product path: another order)
+    d = 64
     q_all = torch.randn(1, hq, 40, d, generator=g)
     k_all = torch.randn(1, hk, p + 40, d, generator=g)
     v_all = torch.randn(1, hk, p + 40, d, generator=g)
@@ -711,7 +713,7 @@ def test_a_row_decoded_alone_equals_the_same_row_verified(hq, hk, p):
         assert torch.equal(block[:, :, :1], alone), k
 
 
-@pytest.mark.parametrize("hq,hk", [(9, 3), (16, 4)])
+@pytest.mark.parametrize("hq,hk", [(9, 3), (16, 4), (16, 8)])
 @pytest.mark.parametrize("prefix", [40, 500, 1015, 1530, 3000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_tree_row_equals_the_same_row_decoded_alone(hq, hk, prefix, dtype):

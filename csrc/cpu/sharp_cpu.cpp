@@ -343,6 +343,7 @@ void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts,
   t.l = sc.l.data();
   t.scratch = tile_workspace();
   t.exact = w.chunk >= 0 && t.k_end - t.k_begin <= kExactSpan;
+  t.dot_order = t.exact && p.heads_q / p.heads_k <= kDotRows;
   if (t.k_end > t.k_begin) isa().fn(t);
 
   for (int64_t r = 0; r < w.rows; ++r) {

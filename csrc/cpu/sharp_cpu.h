@@ -62,7 +62,14 @@ struct TileTask {
   // Two-pass softmax (the whole range's scores before any weight; k_end - k_begin <=
   // kExactSpan): a row's bits depend only on its visible keys, in order (step-sized calls).
   bool exact = false;
+  // Tiles of more than kDotRows rows score in the dot-product path's order (set on exact
+  // tiles when a KV head has at most kDotRows query heads: its decode takes that path).
+  bool dot_order = false;
 };
+
+// Tiles of at most this many rows (decode) compute scores with lanes over the head dim: with
+// lanes over rows most lanes would idle.
+constexpr int kDotRows = 2;
 
 constexpr int kKeyBlock = 64;     // keys per block of the tile kernel
 constexpr int kExactSpan = 1024;  // most keys a two-pass (exact) tile spans

@@ -44,9 +44,6 @@ constexpr int qk_keys_for(int nr) {
 constexpr int QK_RV = kWide ? 4 : 2;     // row vectors per QK micro-kernel
 constexpr int PV_ROWS = kWide ? 6 : 3;   // rows per PV micro-kernel
 constexpr int PV_DV = kWide ? 4 : 3;     // head-dim vectors per PV micro-kernel
-// Tiles of at most this many rows (decode) compute scores with lanes over the head dim: with
-// lanes over rows most lanes would idle.
-constexpr int kDotRows = 2;
 #include "cpu/simd_vec.h"  // vf, load, store, splat
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
 
@@ -152,18 +149,68 @@ __attribute__((noinline)) void qk_micro(const float* k, int64_t ks, const float*
     for (int n = 0; n < NR; ++n) store(st + j * Rp + n * VW, acc[j][n]);
 }
 
-// Picks the micro-kernel for nk_left (<= NK) keys at compile time.
-// Full micro-kernels of qk_keys_for(NR) keys, then the remaining keys one at a time.
-template <int kD, int NR = QK_RV>
+// ---- QK in the dot-product path's order (TileTask::dot_order) -----------------------------
+// The same sums as qk_dot_row forms them, with the lanes over rows: head-dim lane i gathers
+// d = i, i + VW, ... in turn, the lanes are then added 0 .. VW - 1, and the tail past the last
+// full vector comes last. An exact tile of many rows (a verification) then scores a row with
+// the bits a decode step of 1-2 rows a KV head gets from the dot-product path. Twice the
+// accumulators of qk_micro, so fewer keys per call (qk_dot_keys_for).
+constexpr int qk_dot_keys_for(int nr) {
+  return kWide ? (nr >= 4 ? 3 : nr == 3 ? 4 : nr == 2 ? 6 : 12) : (nr >= 2 ? 3 : 6);
+}
+template <int NK, int NR, int kD>
+__attribute__((noinline)) void qk_micro_dot(const float* k, int64_t ks, const float* qt,
+                                            int64_t Rp, int64_t D_rt, float* st) {
+  const int64_t D = kD ? kD : D_rt, Dv = D / VW * VW;
+  vf tot[NK][NR];
+  for (int j = 0; j < NK; ++j)
+    for (int n = 0; n < NR; ++n) tot[j][n] = vf{};
+  for (int i = 0; i < VW; ++i) {
+    vf part[NK][NR];
+    for (int j = 0; j < NK; ++j)
+      for (int n = 0; n < NR; ++n) part[j][n] = vf{};
+    for (int64_t d = i; d < Dv; d += VW) {
+      vf qv[NR];
+      for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
+      for (int j = 0; j < NK; ++j) {
+        const vf kb = splat(k[j * ks + d]);
+        for (int n = 0; n < NR; ++n) part[j][n] += kb * qv[n];
+      }
+    }
+    for (int j = 0; j < NK; ++j)
+      for (int n = 0; n < NR; ++n) tot[j][n] += part[j][n];
+  }
+  for (int64_t d = Dv; d < D; ++d) {
+    vf qv[NR];
+    for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
+    for (int j = 0; j < NK; ++j) {
+      const vf kb = splat(k[j * ks + d]);
+      for (int n = 0; n < NR; ++n) tot[j][n] += kb * qv[n];
+    }
+  }
+  for (int j = 0; j < NK; ++j)
+    for (int n = 0; n < NR; ++n) store(st + j * Rp + n * VW, tot[j][n]);
+}
+
+// Picks the micro-kernel for nr_left row vectors at compile time (kDotOrder: qk_micro_dot):
+// full micro-kernels of qk_keys_for(NR) keys, then the remaining keys one at a time.
+template <int kD, bool kDotOrder, int NR = QK_RV>
 inline void qk_rows(int nr_left, int nk, const float* k, int64_t ks, const float* qt, int64_t Rp,
                     int64_t D, float* st) {
   if (nr_left == NR) {
-    constexpr int NK = qk_keys_for(NR);
-    int j = 0;
-    for (; j + NK <= nk; j += NK) qk_micro<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
-    for (; j < nk; ++j) qk_micro<1, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+    if constexpr (kDotOrder) {
+      constexpr int NK = qk_dot_keys_for(NR);
+      int j = 0;
+      for (; j + NK <= nk; j += NK) qk_micro_dot<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+      for (; j < nk; ++j) qk_micro_dot<1, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+    } else {
+      constexpr int NK = qk_keys_for(NR);
+      int j = 0;
+      for (; j + NK <= nk; j += NK) qk_micro<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+      for (; j < nk; ++j) qk_micro<1, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+    }
   } else if constexpr (NR > 1) {
-    qk_rows<kD, NR - 1>(nr_left, nk, k, ks, qt, Rp, D, st);
+    qk_rows<kD, kDotOrder, NR - 1>(nr_left, nk, k, ks, qt, Rp, D, st);
   }
 }
 
@@ -349,8 +396,10 @@ void block_scores(const TileTask& t, int64_t k0, int nk, const float* k, int64_t
       const vf fill = splat(dead);
       for (int j = 0; j < nk; ++j)
         for (int n = 0; n < nr; ++n) store(st + j * Rp + c + n * VW, fill);
+    } else if (t.rows > kDotRows && t.dot_order) {
+      qk_rows<kD, true>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
     } else if (t.rows > kDotRows) {
-      qk_rows<kD>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
+      qk_rows<kD, false>(nr, nk, k, ks, t.qt + c, Rp, D, st + c);
     }
   }
   if (t.rows <= kDotRows && chunk_live[0]) {
