@@ -129,6 +129,22 @@ inline const float* block_rows(const void* src, int64_t row_stride, bool in_plac
 }
 
 // ---- QK: st[j * Rp + r] = sum_d k[j * ks + d] * qt[d * Rp + r] ---------------------------
+// acc[j][n] += k[j * ks + d] * qt[d * Rp + n * VW] for d = d0, d0 + step, ... below d1, in
+// that order (NK keys x NR row vectors).
+template <int NK, int NR>
+__attribute__((always_inline)) inline void qk_accumulate(vf (&acc)[NK][NR], const float* k,
+                                                         int64_t ks, const float* qt, int64_t Rp,
+                                                         int64_t d0, int64_t d1, int64_t step) {
+  for (int64_t d = d0; d < d1; d += step) {
+    vf qv[NR];
+    for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
+    for (int j = 0; j < NK; ++j) {
+      const vf kb = splat(k[j * ks + d]);
+      for (int n = 0; n < NR; ++n) acc[j][n] += kb * qv[n];
+    }
+  }
+}
+
 // NK keys x NR row vectors; k, qt and st already point at the first key / row of the block.
 template <int NK, int NR, int kD>
 __attribute__((noinline)) void qk_micro(const float* k, int64_t ks, const float* qt, int64_t Rp, int64_t D_rt,
@@ -137,14 +153,7 @@ __attribute__((noinline)) void qk_micro(const float* k, int64_t ks, const float*
   vf acc[NK][NR];
   for (int j = 0; j < NK; ++j)
     for (int n = 0; n < NR; ++n) acc[j][n] = vf{};
-  for (int64_t d = 0; d < D; ++d) {
-    vf qv[NR];
-    for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
-    for (int j = 0; j < NK; ++j) {
-      const vf kb = splat(k[j * ks + d]);
-      for (int n = 0; n < NR; ++n) acc[j][n] += kb * qv[n];
-    }
-  }
+  qk_accumulate(acc, k, ks, qt, Rp, 0, D, 1);
   for (int j = 0; j < NK; ++j)
     for (int n = 0; n < NR; ++n) store(st + j * Rp + n * VW, acc[j][n]);
 }
@@ -169,25 +178,11 @@ __attribute__((noinline)) void qk_micro_dot(const float* k, int64_t ks, const fl
     vf part[NK][NR];
     for (int j = 0; j < NK; ++j)
       for (int n = 0; n < NR; ++n) part[j][n] = vf{};
-    for (int64_t d = i; d < Dv; d += VW) {
-      vf qv[NR];
-      for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
-      for (int j = 0; j < NK; ++j) {
-        const vf kb = splat(k[j * ks + d]);
-        for (int n = 0; n < NR; ++n) part[j][n] += kb * qv[n];
-      }
-    }
+    qk_accumulate(part, k, ks, qt, Rp, i, Dv, VW);
     for (int j = 0; j < NK; ++j)
       for (int n = 0; n < NR; ++n) tot[j][n] += part[j][n];
   }
-  for (int64_t d = Dv; d < D; ++d) {
-    vf qv[NR];
-    for (int n = 0; n < NR; ++n) qv[n] = load(qt + d * Rp + n * VW);
-    for (int j = 0; j < NK; ++j) {
-      const vf kb = splat(k[j * ks + d]);
-      for (int n = 0; n < NR; ++n) tot[j][n] += kb * qv[n];
-    }
-  }
+  qk_accumulate(tot, k, ks, qt, Rp, Dv, D, 1);
   for (int j = 0; j < NK; ++j)
     for (int n = 0; n < NR; ++n) store(st + j * Rp + n * VW, tot[j][n]);
 }
