@@ -735,3 +735,25 @@ def test_a_tree_row_equals_the_same_row_decoded_alone(hq, hk, prefix, dtype):
         alone = ext.sharp_attention(q[:, :, t:t + 1], k[:, :, keys], v[:, :, keys],
                                     causal=True, mode="none")
         assert torch.equal(tree[:, :, t:t + 1], alone), (t, len(keys))
+
+
+@pytest.mark.parametrize("lk,p_true", [(700, 0.5), (2000, 0.3), (1500, 0.05), (3000, 0.9)])
+@pytest.mark.parametrize("lq", [1, 5, 40])
+def test_sparse_masks_over_several_key_chunks_match_the_reference(lk, p_true, lq):
+    """Step-sized calls chunk each row's visible keys (not positions): rows whose visible keys
+    spread over several 512-key chunks, rows whose first chunks see nothing and rows that see
+    nothing at all still give the float64 reference (zeros for the last)."""
+    g = torch.Generator().manual_seed(lk + lq)
+    q = torch.randn(1, 9, lq, 64, generator=g)
+    k = torch.randn(1, 3, lk, 64, generator=g)
+    v = torch.randn(1, 3, lk, 64, generator=g)
+    mask = torch.rand(lq, lk, generator=g) < p_true
+    mask[0] = False
+    if lq > 1:
+        mask[1, :min(lk, 1200)] = False
+    got = ext.sharp_attention(q, k, v, attn_mask=mask, mode="none")
+    want = ref.sharp_attention_ref(q.double(), k.double(), v.double(), attn_mask=mask,
+                                   mode="none")
+    want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
+    assert torch.equal(got[:, :, 0], torch.zeros_like(got[:, :, 0]))

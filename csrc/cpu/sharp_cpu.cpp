@@ -417,10 +417,12 @@ void sharp_attention_forward(const SharpParams& p, int num_threads, const Parall
     }
     if (!p.n_visible) counts.resize(p.batch * p.heads_q * p.seqlen_q);
     if (any_step) bounds.resize(p.batch * p.heads_q * p.seqlen_q * (nb + 1));
-    if (!counts.empty() || !bounds.empty()) run_dynamic(p.batch * p.heads_k, num_threads, pf, Dp, [&](int64_t bh, Scratch&) {
-      scan_rows(p, bh, counts.empty() ? nullptr : counts.data(),
-                bounds.empty() ? nullptr : bounds.data(), nb);
-    });
+    if (!counts.empty() || !bounds.empty()) {
+      run_dynamic(p.batch * p.heads_k, num_threads, pf, Dp, [&](int64_t bh, Scratch&) {
+        scan_rows(p, bh, counts.empty() ? nullptr : counts.data(),
+                  bounds.empty() ? nullptr : bounds.data(), nb);
+      });
+    }
   }
   const int64_t* cnt = counts.empty() ? nullptr : counts.data();
   std::vector<float> ws_out(plan.slots * kMaxTileRows * p.head_dim);

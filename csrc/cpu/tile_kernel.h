@@ -196,7 +196,9 @@ inline void qk_rows(int nr_left, int nk, const float* k, int64_t ks, const float
     if constexpr (kDotOrder) {
       constexpr int NK = qk_dot_keys_for(NR);
       int j = 0;
-      for (; j + NK <= nk; j += NK) qk_micro_dot<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+      for (; j + NK <= nk; j += NK) {
+        qk_micro_dot<NK, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
+      }
       for (; j < nk; ++j) qk_micro_dot<1, NR, kD>(k + j * ks, ks, qt, Rp, D, st + j * Rp);
     } else {
       constexpr int NK = qk_keys_for(NR);
@@ -398,7 +400,9 @@ void block_scores(const TileTask& t, int64_t k0, int nk, const float* k, int64_t
     }
   }
   if (t.rows <= kDotRows && chunk_live[0]) {
-    for (int r = 0; r < t.rows; ++r) qk_dot_row(t.q_rows + r * t.dim_padded, D, k, ks, nk, st + r, Rp);
+    for (int r = 0; r < t.rows; ++r) {
+      qk_dot_row(t.q_rows + r * t.dim_padded, D, k, ks, nk, st + r, Rp);
+    }
   }
 }
 
