@@ -134,7 +134,8 @@ def test_bench_table_summarises_each_kind():
 
     def row(name, kind, tf, sf, ts, ss):     # decode speedups: 2x the end-to-end ones
         return {"name": name, "kind": kind, "prompt_tokens": 100,
-                "ar": {"tokens_per_s": 3.0, "decode_tokens_per_s": 4.0},
+                "ar": {"tokens_per_s": 3.0, "decode_tokens_per_s": 4.0,
+                       "seq_rep_4": 0.1 if kind == "kjv" else 0.6},
                 "dflash-frozen": {"tau": tf, "speedup": sf, "decode_speedup": 2 * sf,
                                   "identical_to_ar": True},
                 "dflash-sharp": {"tau": ts, "speedup": ss, "decode_speedup": 2 * ss,
@@ -149,6 +150,19 @@ def test_bench_table_summarises_each_kind():
     assert "| drafter | kjv | maths | geomean |" in md
     assert "| dflash-frozen | 2.00x (1.40) | 2.00x (2.00) | 2.00x |" in md
     assert "| dflash-sharp | 2.00x (1.60) | 3.00x (2.50) | 2.45x |" in md
+    assert "| target output seq-rep-4 (mean) | 0.10 | 0.60 | |" in md
+    assert md.count("| True | 0.10 |") == 2 and md.count("| True | 0.60 |") == 1
+
+
+def test_seq_rep_by_hand():
+    """seq-rep-4 on hand-counted sequences: distinct tokens 0; one 4-gram repeated among 5
+    (1 2 3 4 1 2 3 4: 1234 2341 3412 4123 1234) 1 - 4/5; a two-token loop of 20 tokens has 17
+    4-grams of 2 kinds; fewer than 4 tokens 0."""
+    from sharpdraft.eval.bench import seq_rep
+    assert seq_rep(list(range(10))) == 0.0
+    assert seq_rep([1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(0.2)
+    assert seq_rep([7, 8] * 10) == pytest.approx(1 - 2 / 17)
+    assert seq_rep([1, 2, 3]) == 0.0
 
 
 def test_run_bench_writes_rows_for_every_variant(tmp_path):
@@ -173,6 +187,7 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
         for key in ("eagle3-chain-frozen", "eagle3-chain-sharp", "eagle3-tree-frozen",
                     "eagle3-tree-sharp"):
             assert r[key]["identical_to_ar"] is True and r[key]["new_tokens"] == 6
+        assert 0.0 <= r["ar"]["seq_rep_4"] < 1.0
     md = (tmp_path / "bench.md").read_text()
     assert md.count("| eagle3-tree |") == 2 and md.count("| eagle3-chain |") == 2
     saved = json.loads((tmp_path / "bench.json").read_text())

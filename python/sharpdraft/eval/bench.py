@@ -13,7 +13,7 @@ import dataclasses
 import importlib.metadata
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -170,7 +170,7 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
         ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
         row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],
-               "ar": ar.summary()}
+               "ar": {**ar.summary(), "seq_rep_4": seq_rep(ar.tokens)}}
         for name, (drafter, tree, sharp) in methods.items():
             drafter.sharp = sharp
             res = decode(target, drafter, p["ids"], max_new_tokens, tree=tree,
@@ -200,6 +200,15 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     return rows
 
 
+def seq_rep(tokens: Sequence[int], n: int = 4) -> float:
+    """seq-rep-n of a generated sequence (Welleck et al. 2019, "Neural Text Generation with
+    Unlikelihood Training"): the share of its n-grams that repeat an earlier one, 1 - unique /
+    total; 0 with fewer than n tokens. Near 0 for ordinary text, towards 1 in a loop (the
+    easiest text to draft, so a bench reports it next to tau)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
 def _ratio(a: float, b: float):
     """a / b, None when either is undefined (one-token runs have no decode phase)."""
     return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else None
@@ -215,8 +224,12 @@ def _x(v) -> str:
 
 
 def markdown_table(rows: List[dict], meta: dict) -> str:
-    """Per-prompt rows (one per variant) and per-kind means (tau) and geometric means
-    (speedup)."""
+    """Per-prompt rows (one per variant) and per-kind means (tau, the target output's
+    seq-rep-4) and geometric means (speedup)."""
+
+    def rep(r):
+        return f"{r['ar']['seq_rep_4']:.2f}" if "seq_rep_4" in r["ar"] else "n/a"
+
     variants = meta.get("variants", ["dflash"])
     windows = {k: v for k, v in meta.get("context_window", {}).items() if v is not None}
     calibrated = {k: v for k, v in meta.get("layer_slopes", {}).items() if v}
@@ -227,10 +240,12 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
              + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
                 else "") + ".", "",
              "Speedup: end to end (prefill included); decode: tokens/s after the first token "
-             "(prefill excluded), both against target-only decoding in the same run.", "",
+             "(prefill excluded), both against target-only decoding in the same run. seq-rep-4: "
+             "the share of the target's output 4-grams that repeat an earlier one (towards 1 "
+             "in a loop, the easiest text to draft).", "",
              "| prompt | prompt tokens | AR decode tok/s | drafter | frozen tau | frozen speedup "
              "| frozen decode speedup | sharp tau | sharp speedup | sharp decode speedup "
-             "| lossless |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| lossless | seq-rep-4 |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         for v in variants:
             f, s = r[f"{v}-frozen"], r[f"{v}-sharp"]
@@ -240,9 +255,11 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
                          f"| {v} | {f['tau']:.3f} | {_x(f['speedup'])} | "
                          f"{_x(f.get('decode_speedup'))} | {s['tau']:.3f} | {_x(s['speedup'])} | "
                          f"{_x(s.get('decode_speedup'))} | "
-                         f"{f['identical_to_ar'] and s['identical_to_ar']} |")
+                         f"{f['identical_to_ar'] and s['identical_to_ar']} | {rep(r)} |")
     summary = by_kind(rows, variants)
     kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    reps = {k: [r["ar"]["seq_rep_4"] for r in rows if r["kind"] == k and "seq_rep_4" in r["ar"]]
+            for k in kinds}
     lines += ["", "By category: mean tau and geometric-mean decode speedup over its prompts; the "
               "last column is the geometric mean of the category speedups.", "",
               "| drafter | " + " | ".join(kinds) + " | geomean |",
@@ -252,6 +269,10 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
                  for k in kinds]
         lines.append(f"| {name} | " + " | ".join(cells)
                      + f" | {summary[name]['geomean_decode_speedup']:.2f}x |")
+    if any(reps.values()):
+        lines.append("| target output seq-rep-4 (mean) | "
+                     + " | ".join(f"{sum(v) / len(v):.2f}" if v else "n/a" for v in reps.values())
+                     + " | |")
     return "\n".join(lines) + "\n"
 
 
