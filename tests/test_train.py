@@ -739,8 +739,9 @@ def test_every_recipe_main_writes_its_checkpoint(setup, monkeypatch, tmp_path, k
 
 def test_model_card_reports_the_records_and_the_suite(tmp_path):
     """The card's figures come from training.json and a suite bench.json: wall time is cache
-    plus training seconds, tokens by source sum the kinds, and a category's speedup is the
-    geometric mean of its prompts' (here 2 and 0.5: 1.00x) with its identical count."""
+    plus training seconds, tokens by source sum the kinds, a category's tau and speedup are
+    the suite's own by_kind summary (1.00x, not a run's 1.5x), its identical count is counted
+    from the runs (1 of 2), and another drafter's variants stay off the card."""
     from sharpdraft.training import card
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "train_context": 64}))
     (tmp_path / "training.json").write_text(json.dumps({
@@ -755,10 +756,15 @@ def test_model_card_reports_the_records_and_the_suite(tmp_path):
                        "response_tokens_per_kind": {"man/list": 10, "man/explain": 5,
                                                     "kjv/list": 15}},
         "heldout_data": {"corpus": "c", "split": "heldout", "response_tokens": 8}}))
-    run = lambda name, sp, same: {"tau": 2.0, "decode_speedup": sp, "identical_to_ar": same}
-    (tmp_path / "bench.json").write_text(json.dumps({"settings": {"max_new_tokens": 16}, "runs": [
-        {"kind": "story", "eagle3-chain-sharp": run("a", 2.0, True), "dflash-sharp": run("b", 9, 1)},
-        {"kind": "story", "eagle3-chain-sharp": run("a", 0.5, False)}]}))
+    run = lambda same: {"tau": 2.0, "decode_speedup": 1.5, "identical_to_ar": same}
+    (tmp_path / "bench.json").write_text(json.dumps({
+        "settings": {"max_new_tokens": 16},
+        "runs": [{"kind": "story", "eagle3-chain-sharp": run(True), "dflash-sharp": run(True)},
+                 {"kind": "story", "eagle3-chain-sharp": run(False)}],
+        "by_kind": {"eagle3-chain-sharp": {"story": {"tau": 2.0, "decode_speedup": 1.0},
+                                           "geomean_decode_speedup": 1.0},
+                    "dflash-sharp": {"story": {"tau": 9.0, "decode_speedup": 9.0},
+                                     "geomean_decode_speedup": 9.0}}}))
     text = card.render(tmp_path, suite=str(tmp_path / "bench.json"))
     assert "Wall time: 5.0 min (1.5 min of target features, 3.5 min of training)" in text
     assert "| man | 15 |" in text and "| kjv | 15 |" in text

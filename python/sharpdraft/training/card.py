@@ -49,25 +49,18 @@ def _kind_title(name: Optional[str]) -> str:
 
 def _suite_rows(suite: dict, kind: str) -> list:
     """(variant, category, tau, decode speedup, identical runs, runs) of `kind`'s variants in a
-    task-suite bench.json over each category's prompts (tau arithmetic mean, speedup geometric
-    mean)."""
-    import math
-
-    rows = {}
-    for run in suite.get("runs", []):
-        cat = run.get("kind")
-        for name, r in run.items():
-            if not (isinstance(r, dict) and "tau" in r and name.startswith(kind)):
-                continue
-            rows.setdefault((name, cat), []).append((r["tau"], r.get("decode_speedup"),
-                                                     r.get("identical_to_ar")))
+    task-suite bench.json: tau and speedup from its `by_kind` summary (what `sharpdraft bench`
+    wrote: mean tau, geometric-mean decode speedup), the identical count from its runs."""
     out = []
-    for (name, cat), vals in rows.items():
-        taus = [t for t, _, _ in vals]
-        sp = [s for _, s, _ in vals if s]
-        gm = math.exp(sum(math.log(s) for s in sp) / len(sp)) if sp else None
-        out.append((name, cat, sum(taus) / len(taus), gm, sum(bool(i) for *_, i in vals),
-                    len(vals)))
+    for name, per in suite.get("by_kind", {}).items():
+        if not name.startswith(kind + "-"):
+            continue
+        for cat, v in per.items():
+            if not isinstance(v, dict):      # the variant's overall geometric mean
+                continue
+            runs = [r[name] for r in suite.get("runs", []) if r.get("kind") == cat and name in r]
+            out.append((name, cat, v["tau"], v.get("decode_speedup"),
+                        sum(bool(r.get("identical_to_ar")) for r in runs), len(runs)))
     return out
 
 
