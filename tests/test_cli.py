@@ -70,6 +70,20 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     assert report["drafter"] == drafter[1] + ("-tree" if "--tree" in drafter else "")
 
 
+def test_generate_task_runs_the_suites_own_prompt(checkpoint, capsys):
+    from transformers import AutoTokenizer
+    from sharpdraft.eval.bench import suite_prompts
+
+    rc = cli.main(["generate", "--target", str(checkpoint), "--task", "code-1",
+                   "--max-new-tokens", "4", "--json", "--threads", "1"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    want = next(p for p in suite_prompts(AutoTokenizer.from_pretrained(checkpoint), ["code"])
+                if p["name"] == "code-1")
+    assert report["task"] == "code-1" and report["prompt_tokens"] == want["ids"].shape[1]
+    assert report["new_tokens"] == 4
+
+
 def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
     """--tree-topk/--tree-depth/--tree-tokens reach the drafter: the report echoes the shape, no
     step commits more than depth + 1 tokens, and the output stays lossless."""
@@ -95,6 +109,12 @@ def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
     (["analyze", "mass", "--drafter", "eagle3", "--tree-tokens", "8", "--out", "x"],
      "--tree-tokens"),
     (["generate", "--kjv-context", "0"], "--kjv-context"),
+    (["generate", "--task", "story-9"], "--task"),
+    (["generate", "--task", "doc-4k"], "--task"),                 # a category, not a task
+    (["generate", "--task", "story-0", "--prompt", "hi"], "--task"),
+    (["generate", "--task", "doc-4k-GPL-2", "--context-file", "x"], "--context-file"),
+    (["generate", "--task", "code-0", "--kjv-context", "64"], "--kjv-context"),
+    (["generate", "--task", "code-0", "--no-chat-template"], "--no-chat-template"),
     (["generate", "--n-ref", "0"], "--n-ref"),
     (["generate", "--threads", "0"], "--threads"),
     (["generate", "--draft-threshold", "1.5"], "--draft-threshold"),

@@ -52,6 +52,16 @@ def test_suite_covers_every_category_in_order():
     assert [p["text"] for p in prompts if p["kind"] == "story"] == list(tasks.CHAT)
 
 
+def test_suite_names_are_the_suites_own_without_a_tokenizer():
+    cats = [c for c in tasks.SUITE if c != "maths" or _champ_installed()]
+    assert tasks.suite_names(cats) == [p["name"] for p in tasks.suite(CharTokenizer(), cats)]
+    assert tasks.suite_names(["code", "doc-6k"]) == ["code-0", "code-1", "code-2",
+                                                    "doc-6k-LGPL-2.1", "doc-6k-GPL-3"]
+    assert tasks.suite_names(["maths"], maths=3) == ["maths-0", "maths-1", "maths-2"]
+    with pytest.raises(ValueError, match="'poetry'"):
+        tasks.suite_names(["poetry"])
+
+
 def _champ_installed() -> bool:
     try:
         importlib.metadata.distribution("champ-dataset")

@@ -127,15 +127,23 @@ def _check_prompts(target, prompts, max_new_tokens: int, flag: str = "--max-new-
 
 def cmd_generate(args) -> dict:
     """`sharpdraft generate`: one prompt (--prompt, --prompt-file or the bench's KJV task; after
-    --context-file or --kjv-context) through `sharpdraft.generate`, with --compare-ar the
-    target alone too. Returns the report --json prints."""
+    --context-file or --kjv-context; or --task, a task of the held-out suite as the bench
+    renders it) through `sharpdraft.generate`, with --compare-ar the target alone too.
+    Returns the report --json prints."""
     target, tokenizer, provenance = load_target_for(args)
-    prompt = args.prompt_text if args.prompt_text is not None else KJV_TASK
-    if args.kjv_context is not None:
-        context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
+    if args.task is not None:         # the suite's own ids (validate checked the name)
+        from ..data.tasks import SUITE
+        from ..eval.bench import suite_prompts
+
+        kind = next(c for c in SUITE if args.task.startswith(c + "-"))
+        ids = next(p["ids"] for p in suite_prompts(tokenizer, [kind]) if p["name"] == args.task)
     else:
-        context = args.context_text
-    ids = prompt_ids(tokenizer, prompt, context, not args.no_chat_template)
+        prompt = args.prompt_text if args.prompt_text is not None else KJV_TASK
+        if args.kjv_context is not None:
+            context = kjv_passage(tokenizer, args.kjv_context, "--kjv-context")
+        else:
+            context = args.context_text
+        ids = prompt_ids(tokenizer, prompt, context, not args.no_chat_template)
     check_context(target, ids.shape[1], args.max_new_tokens, flag="--max-new-tokens")
     drafter = build_drafter(target, tokenizer, args)
     common = dict(temperature=args.temperature, eos_token_id=tokenizer.eos_token_id,
@@ -148,6 +156,7 @@ def cmd_generate(args) -> dict:
         target, drafter, ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
         draft_threshold=args.draft_threshold, progress=progress, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
+              "task": args.task,
               "drafter": args.drafter + ("-tree" if args.tree else ""),
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
                         for k, v in drafter.sharp.kernel_kwargs().items()},
@@ -419,7 +428,9 @@ def cmd_train(args) -> None:
 def print_report(report: dict) -> None:
     """The human-readable form of `cmd_generate`'s report (without --json)."""
     print(report["text"])
-    print(f"\n{report['new_tokens']} new tokens after a {report['prompt_tokens']}-token prompt; "
+    task = f" (suite task {report['task']})" if report.get("task") else ""
+    print(f"\n{report['new_tokens']} new tokens after a {report['prompt_tokens']}-token prompt"
+          f"{task}; "
           f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
           f"{report['tokens_per_s']:.1f} tok/s")
     if report.get("n_ref_source"):

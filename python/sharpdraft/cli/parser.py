@@ -125,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="the prompt text (default: the bench's KJV summary task)")
     src.add_argument("--prompt-file", help="a file holding the prompt")
+    src.add_argument("--task", metavar="NAME",
+                     help="a task of the held-out suite (`bench --suite tasks`) by its name, "
+                          "e.g. story-0, code-1, maths-0, doc-4k-GPL-2: the suite's prompt, "
+                          "token for token")
     ctx = g.add_mutually_exclusive_group()
     ctx.add_argument("--context-file", help="a long context placed before the prompt")
     ctx.add_argument("--kjv-context", type=int, metavar="N",
@@ -473,6 +477,17 @@ def validate(top: argparse.ArgumentParser, args) -> None:
         v = getattr(args, name, None)
         if v is not None and not ok(v):
             p.error(f"{_flag(name)} must be {what}, got {v}")
+    if getattr(args, "task", None) is not None:
+        from ..data.tasks import suite_names
+        names = suite_names()
+        if args.task not in names:
+            p.error(f"--task: unknown task {args.task!r}; the suite's: {', '.join(names)}")
+        for flag, given in (("--context-file", args.context_file is not None),
+                            ("--kjv-context", args.kjv_context is not None),
+                            ("--no-chat-template", args.no_chat_template)):
+            if given:
+                p.error(f"{flag}: --task runs the suite's prompt as it is (its document "
+                        f"included, in the chat template)")
     if args.command == "generate":  # read the text files now: a bad one fails before any work
         args.prompt_text = (args.prompt if args.prompt_file is None
                             else _read_text(p, "--prompt-file", args.prompt_file))

@@ -111,6 +111,31 @@ def cut_document(tokenizer, name: str, tokens: int) -> str:
     return cut[:cut.rfind("\n")] if "\n" in cut else cut
 
 
+def suite_names(categories: Sequence[str] = SUITE, maths: int = 2) -> List[str]:
+    """The names of `suite`'s tasks in the same order ("story-0", ..., "doc-6k-GPL-3"), known
+    without a tokenizer or any file (what a command line checks a task name against).
+
+    Raises:
+        ValueError: an unknown category.
+    """
+    unknown = [c for c in categories if c not in SUITE]
+    if unknown:
+        raise ValueError(f"--suite categories: unknown {unknown}; known: {list(SUITE)}")
+    from .sources import CHAMP_HELD_OUT
+
+    count = {"story": len(CHAT), "code": len(CODING), "maths": min(maths, CHAMP_HELD_OUT)}
+    out = []
+    for c in SUITE:
+        if c not in categories:
+            continue
+        if c in count:
+            out += [f"{c}-{i}" for i in range(count[c])]
+        else:
+            size = {"doc-2k": 2048, "doc-4k": 4096, "doc-6k": 6144}[c]
+            out += [f"{c}-{name}" for name, _ in DOCUMENTS[size]]
+    return out
+
+
 def suite(tokenizer, categories: Sequence[str] = SUITE, maths: int = 2) -> List[dict]:
     """The held-out task suite: [{"name", "kind" (the category), "text"}], in `SUITE` order.
 
