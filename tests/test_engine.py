@@ -1,5 +1,6 @@
 """Speculative decoding engine: greedy token identity, lossless sampling, statistics."""
 import copy
+import gc
 import math
 
 import pytest
@@ -114,6 +115,25 @@ def test_eos_and_max_new_tokens_stop_exactly(target):
     assert res.tokens == ref[:stop]
     res = speculative_generate(target, drafter, prompt, 11)
     assert res.tokens == ref[:11]
+
+
+def test_decoding_pauses_the_cyclic_gc_and_restores_its_state(target):
+    """The loops run with the cyclic collector off (engine.gc_paused) and leave it as found."""
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(5))
+    drafter = tiny_drafter(target, block_size=4)
+    runs = {"ar": lambda tick: autoregressive_generate(target, prompt, 6, progress=tick),
+            "spec": lambda tick: speculative_generate(target, drafter, prompt, 6, progress=tick)}
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            for name, run in runs.items():
+                (gc.enable if enabled else gc.disable)()
+                during = []
+                assert run(lambda n: during.append(gc.isenabled())).new_tokens == 6
+                assert during and not any(during), name
+                assert gc.isenabled() is enabled, name
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_sharp_drafter_is_still_lossless(target):

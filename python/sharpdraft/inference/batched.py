@@ -19,6 +19,7 @@ import torch
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
 from ..target.quantized import QUANT_MAX_ROWS, is_quantised
 from ..target.runtime import TargetRuntime
+from .engine import gc_paused
 from .sampling import sample_next
 
 COMPACT_AT = 0.75     # drop the finished rows once at most this fraction of the batch is live
@@ -50,6 +51,7 @@ def _append(out: List[List[int]], finished: List[bool], live: List[int], tokens:
     return keep
 
 
+@gc_paused
 @torch.no_grad()
 def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    pad_token_id: int, eos_token_id: Optional[int], temperature: float = 0.0,

@@ -30,10 +30,13 @@ decode speedup).
 Every loop runs the target through one `sharpdraft.target.TargetRuntime` (preallocated KV
 cache, the sharp kernel with mode "none", logits and hidden states only where used, prepacked
 linear layers), sized for prompt + max_new_tokens + the largest draft and refused, before any
-work, when that exceeds the target's max_position_embeddings.
+work, when that exceeds the target's max_position_embeddings, with Python's cyclic garbage
+collector paused (`gc_paused`).
 """
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import time
 from collections import defaultdict
@@ -203,6 +206,25 @@ def _check(target, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: f
     return check_context(target, prompt_ids.shape[1], max_new_tokens, extra)
 
 
+def gc_paused(fn):
+    """`fn` run with Python's cyclic garbage collector paused, its state restored afterwards
+    (reference counting still frees every object that is not in a cycle). A collection walks
+    every tracked object of the process, hundreds of thousands once a model and its tokenizer
+    are loaded, and the decode loop's small allocations set one off every few steps: paused,
+    target-only decoding of SmolLM2-135M on its Q4_1 blocks went from 85-87 to 95-98 tok/s
+    (2-core Xeon, two interleaved runs each). The three decoding loops are wrapped."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+    return run
+
+
 class _Progress:
     """Optional progress callback: called with the number of newly committed tokens."""
 
@@ -214,6 +236,7 @@ class _Progress:
             self.callback(n)
 
 
+@gc_paused
 @torch.no_grad()
 def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *,
                             temperature: float = 0.0, eos_token_id: Optional[int] = None,
@@ -326,6 +349,7 @@ def _prefill(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, tem
     return runtime, session, result, tick, start
 
 
+@gc_paused
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
                          max_new_tokens: int, *, temperature: float = 0.0,
                          eos_token_id: Optional[int] = None,
@@ -422,6 +446,7 @@ def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> 
         node = nxt
 
 
+@gc_paused
 @torch.no_grad()
 def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
                               temperature: float = 0.0, eos_token_id: Optional[int] = None,
