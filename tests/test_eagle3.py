@@ -40,6 +40,37 @@ def test_decoding_is_token_identical_to_target_greedy(target, tree, sharp):
             assert all(n == 8 for n in res.draft_lengths)
 
 
+def test_chain_drafting_stops_where_the_threshold_cuts(target, monkeypatch):
+    """With draft_threshold, an EAGLE-3 session stops drafting after the first draft below it
+    (drafts_one_by_one): the same drafts reach verification as when every draft is computed and
+    the engine cuts, the output stays target greedy, and drafter forwards are spared."""
+    drafter = tiny_eagle3(target, chain_length=5)
+    prompt = prompt_of(12, 3)
+    ref = hf_greedy(target, prompt, 24)
+    steps = {"n": 0}
+    step = Eagle3Drafter.step
+
+    def counted(self, *a, **k):
+        steps["n"] += 1
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Eagle3Drafter, "step", counted)
+    spared, varied = False, False
+    for threshold in (0.002, 0.004, 0.006, 0.01):
+        runs = {}
+        for early in (True, False):
+            monkeypatch.setattr(drafter, "drafts_one_by_one", early)
+            steps["n"] = 0
+            res = speculative_generate(target, drafter, prompt, 24, draft_threshold=threshold)
+            assert res.tokens == ref
+            runs[early] = (res.draft_lengths, res.accept_lengths, steps["n"])
+        assert runs[True][:2] == runs[False][:2], threshold
+        assert runs[True][2] <= runs[False][2]
+        spared |= runs[True][2] < runs[False][2]
+        varied |= 1 < max(runs[True][0]) and min(runs[True][0]) < 5
+    assert spared and varied
+
+
 class ScriptedTreeDrafter(Eagle3Drafter):
     """Proposes trees holding the known greedy continuation on one branch among wrong siblings
     (exercises acceptance deep in a tree and the target cache keeping only the accepted path)."""

@@ -365,6 +365,10 @@ class Drafter(nn.Module):
     config_class = None
     needs_hidden_states = True
     drafts_trees = False          # sessions also have propose_tree (tree_speculative_generate)
+    # Sessions draft one token per drafter forward and take propose(..., stop_below=p): they
+    # stop after the first draft whose drafter probability (temperature 1) is below p, the
+    # draft at which the engine's draft_threshold cuts anyway, sparing the forwards after it.
+    drafts_one_by_one = False
     # The config fields that shape a draft tree (inference options, no effect on the weights),
     # settable at load time (`load_drafter(overrides=...)`, the CLI's --tree-* flags).
     tree_options: tuple = ()

@@ -117,6 +117,7 @@ class Eagle3Drafter(Drafter):
 
     config_class = Eagle3Config
     drafts_trees = True
+    drafts_one_by_one = True
     tree_options = ("tree_topk", "tree_depth", "tree_tokens")
     supports_context_window = True
 
@@ -365,8 +366,10 @@ class Eagle3Session:
         return normed[:, -1:], hidden[:, -1:]
 
     @torch.no_grad()
-    def propose(self, last: int, position: int, draw) -> tuple:
-        """Chain drafting: `chain_length` drafts, each fed back as the next row's token."""
+    def propose(self, last: int, position: int, draw, stop_below: float = 0.0) -> tuple:
+        """Chain drafting: `chain_length` drafts, each fed back as the next row's token; with
+        stop_below > 0, none after the first whose probability under softmax(row) is below it
+        (`Drafter.drafts_one_by_one`)."""
         d = self.drafter
         normed, hidden = self._root(last, position)
         drafts, logits = [], []
@@ -374,7 +377,8 @@ class Eagle3Session:
             row = d.to_target_vocab(self.target, d.head(self.target, normed[0]))[0]
             logits.append(row)
             drafts.append(draw(row))
-            if j + 1 == d.config.chain_length:
+            if j + 1 == d.config.chain_length or (
+                    stop_below > 0 and float(torch.softmax(row.float(), -1)[drafts[-1]]) < stop_below):
                 break
             pos = torch.tensor([[position + j]], device=hidden.device)
             normed, hidden = d.step(self.emb(torch.tensor([[drafts[-1]]], device=hidden.device)),

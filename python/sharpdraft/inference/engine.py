@@ -18,7 +18,8 @@ Draft length: by default every proposed draft is verified. With draft_threshold 
 drafts are cut before the first one whose drafter probability (of the drafted token, at
 temperature 1) falls below the threshold, keeping at least one. The cut depends only on the
 drafter, so both modes stay lossless, and verifying fewer tokens makes a verification forward
-cheaper where its cost grows with its length (CPUs).
+cheaper where its cost grows with its length (CPUs); a drafter that drafts one token a forward
+(`Drafter.drafts_one_by_one`: EAGLE-3) also stops drafting there.
 
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
 forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The
@@ -380,11 +381,15 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         target, drafter, prompt_ids, max_new_tokens, temperature, generator, progress,
         drafter.max_drafts)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
+    # a drafter that drafts one token a forward stops where the threshold cuts (same drafts)
+    stop = ({"stop_below": draft_threshold}
+            if draft_threshold > 0 and getattr(drafter, "drafts_one_by_one", False) else {})
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length                  # = position of `last`
         drafts, d_logits = session.propose(last, committed,
-                                           lambda row: _pick(row, temperature, generator))
+                                           lambda row: _pick(row, temperature, generator),
+                                           **stop)
         q_probs = None if temperature == 0 else probabilities(d_logits, temperature)
         if draft_threshold > 0:
             conf = torch.softmax(d_logits.float(), dim=-1)[torch.arange(len(drafts)), drafts]
