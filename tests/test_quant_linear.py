@@ -127,6 +127,8 @@ def test_activation_quantisation_matches_an_independent_reference():
     x = torch.randn(5, 3, 96, generator=g) * torch.logspace(-3, 3, 96)
     x[0, 0, :32] = 0                         # an all-zero block: scale 0, values 0
     x[1, 1, 5] = 1e-30                       # a subnormal-scale corner next to large values
+    # a block with scale exactly 1: halves round to the even neighbour
+    x[2, 0, 32:64] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.5, 1.5, -1.5] * 4)
     qx, dx, sx = ql.quantize_activations(x)
     rq, rd, rs = quantize_ref(x)
     assert torch.equal(qx, torch.from_numpy(rq))
@@ -227,11 +229,13 @@ def test_this_machines_path_within_the_bound():
 
 @pytest.mark.parametrize("isa", ["base", "avx2", "avx512", "avx512_vnni"])
 def test_each_instruction_set(isa):
-    """Each kernel (a capped process), where the CPU has it, against the float64 reference; and
-    the same results on every path as far as the maths fixes them (the integer sums)."""
+    """Each kernel (a capped process), where the CPU has it, against the float64 reference, and
+    its activation quantisation against the independent one; the same results on every path as
+    far as the maths fixes them (the integer sums)."""
     cap = {"avx512_vnni": "avx512_vnni", "avx512": "avx512"}.get(isa, isa)
     code = ("import sys; sys.path.insert(0, %r)\n"
             "import test_quant_linear as t, sharpdraft_ext as ext\n"
+            "t.test_activation_quantisation_matches_an_independent_reference()\n"
             "print(ext.linear.quant_isa(), ext.linear.quant_panel_width(), t.check_all())\n"
             % str(Path(__file__).parent))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

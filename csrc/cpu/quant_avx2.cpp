@@ -56,6 +56,42 @@ inline void fstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 
 void quant_panel_avx2(const QuantTask& t) { quant_avx2::quant_panel(t); }
 
+// quantize_row (quant_linear.h) on 8 lanes: the same bits as quantize_row_base for finite x.
+void quantize_row_avx2(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), m);  // (a > m) ? a : m
+    }
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+    const float d = _mm256_cvtss_f32(m) / 127.f;
+    const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                             _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * kQuantBlock),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    dx[b] = d;
+    sx[b] = _mm_cvtsi128_si32(s4);
+  }
+}
+
 }  // namespace cpu
 }  // namespace sharpdraft
 

@@ -61,6 +61,30 @@ SHARP_QUANT_AVX512_BODY
 }  // namespace
 }  // namespace quant_avx512
 void quant_panel_avx512(const QuantTask& t) { quant_avx512::quant_panel(t); }
+
+// quantize_row (quant_linear.h) on 16 lanes: the same bits as quantize_row_base for finite x.
+void quantize_row_avx512(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx) {
+  const __m512 hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f), zero = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    // (a > m) ? a : m, so a NaN never becomes the maximum, as in the scalar rule
+    const __m512 m = _mm512_max_ps(_mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), zero));
+    const float d = _mm512_reduce_max_ps(m) / 127.f;
+    const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, id),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, id),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kQuantBlock), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kQuantBlock + 16),
+                     _mm512_cvtepi32_epi8(q1));
+    dx[b] = d;
+    sx[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
 #pragma GCC pop_options
 
 #pragma GCC push_options

@@ -61,6 +61,7 @@ bool four_bit(QuantType t) { return t != QuantType::Q8_0; }
 
 struct QuantIsa {
   QuantFn fn;
+  QuantizeFn quantize;
   int64_t width;
   const char* name;
 };
@@ -73,11 +74,13 @@ const QuantIsa& quant_isa() {  // the attention kernel's level; VNNI where prese
       const char* cap = std::getenv("SHARPDRAFT_CPU_ISA");
       const bool vnni = __builtin_cpu_supports("avx512vnni") &&
                         !(cap && std::strcmp(cap, "avx512") == 0);
-      return vnni ? QuantIsa{quant_panel_avx512vnni, kQuantWidthAvx512, "avx512_vnni"}
-                  : QuantIsa{quant_panel_avx512, kQuantWidthAvx512, "avx512"};
+      return vnni ? QuantIsa{quant_panel_avx512vnni, quantize_row_avx512, kQuantWidthAvx512,
+                             "avx512_vnni"}
+                  : QuantIsa{quant_panel_avx512, quantize_row_avx512, kQuantWidthAvx512,
+                             "avx512"};
     }
-    if (level == 1) return QuantIsa{quant_panel_avx2, kQuantWidthAvx2, "avx2"};
-    return QuantIsa{quant_panel_base, kQuantWidthBase, "base"};
+    if (level == 1) return QuantIsa{quant_panel_avx2, quantize_row_avx2, kQuantWidthAvx2, "avx2"};
+    return QuantIsa{quant_panel_base, quantize_row_base, kQuantWidthBase, "base"};
   }();
   return chosen;
 }
@@ -175,9 +178,14 @@ void unpack_quant(QuantType t, const uint8_t* packed, int64_t n, int64_t k, floa
 }
 
 void quantize_row(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx) {
-  // Plain float operations the compiler vectorises (no libm calls: this runs for every row of
-  // every call). Rounding: adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest
-  // integer, ties to even, in the default rounding mode.
+  quant_isa().quantize(x, k, qx, dx, sx);
+}
+
+void quantize_row_base(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx) {
+  // Plain float operations (no libm calls: this runs for every row of every call). Rounding:
+  // adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest integer, ties to even,
+  // in the default rounding mode (the baseline instruction set has no FMA to fuse it with the
+  // product, so v is the float32 product, as in the vector versions).
   constexpr float kRound = 12582912.f;
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     const float* xb = x + b * kQuantBlock;
@@ -246,7 +254,7 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
   std::vector<float> dx(rows * nb);
   std::vector<int32_t> sx(rows * nb);
   for (int64_t r = 0; r < rows; ++r) {
-    quantize_row(x + r * ldx, k, qx.data() + r * k, dx.data() + r * nb, sx.data() + r * nb);
+    isa.quantize(x + r * ldx, k, qx.data() + r * k, dx.data() + r * nb, sx.data() + r * nb);
   }
   run(panels(n, w), pf, [&](int64_t begin, int64_t end) {
     float bias_tail[kQuantWidthAvx512];  // the last panel's bias, zero padded

@@ -55,7 +55,10 @@ void unpack_quant(QuantType t, const uint8_t* packed, int64_t n, int64_t k, floa
                   const ParallelFor& pf);
 
 // The activation quantisation of one row of k floats (k % 32 == 0): qx[k], dx[k / 32],
-// sx[k / 32] = sum of each block's qx.
+// sx[k / 32] = sum of each block's qx. Runs the instruction set's version; for finite x every
+// version gives the same bits: amax is exact, dx = amax / 127 and 1 / dx are scalar, and qx is
+// x * (1 / dx) rounded once to float32, then to the nearest integer (ties to even), clamped to
+// +-127.
 void quantize_row(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
 
 // y[m, :n] = x[m, :k] W^T + bias for m < rows (x row stride ldx, y row stride ldy); bias may be
@@ -82,6 +85,10 @@ void quant_panel_base(const QuantTask&);
 void quant_panel_avx2(const QuantTask&);
 void quant_panel_avx512(const QuantTask&);
 void quant_panel_avx512vnni(const QuantTask&);
+using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*);
+void quantize_row_base(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
+void quantize_row_avx2(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
+void quantize_row_avx512(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
 constexpr int kQuantWidthBase = 8, kQuantWidthAvx2 = 8, kQuantWidthAvx512 = 16;
 
 // Bytes of one packed block of `width` columns.
