@@ -94,6 +94,13 @@ DOCUMENTS: Dict[int, Tuple[Tuple[str, str], ...]] = {
                      "in a few sentences.")),
 }
 SUITE = ("story", "code", "maths", "doc-2k", "doc-4k", "doc-6k")
+DOC_SIZES = {"doc-2k": 2048, "doc-4k": 4096, "doc-6k": 6144}   # tokens a document is cut to
+
+
+def _check_categories(categories: Sequence[str]) -> None:
+    unknown = [c for c in categories if c not in SUITE]
+    if unknown:
+        raise ValueError(f"--suite categories: unknown {unknown}; known: {list(SUITE)}")
 
 
 def cut_document(tokenizer, name: str, tokens: int) -> str:
@@ -118,9 +125,7 @@ def suite_names(categories: Sequence[str] = SUITE, maths: int = 2) -> List[str]:
     Raises:
         ValueError: an unknown category.
     """
-    unknown = [c for c in categories if c not in SUITE]
-    if unknown:
-        raise ValueError(f"--suite categories: unknown {unknown}; known: {list(SUITE)}")
+    _check_categories(categories)
     from .sources import CHAMP_HELD_OUT
 
     count = {"story": len(CHAT), "code": len(CODING), "maths": min(maths, CHAMP_HELD_OUT)}
@@ -131,8 +136,7 @@ def suite_names(categories: Sequence[str] = SUITE, maths: int = 2) -> List[str]:
         if c in count:
             out += [f"{c}-{i}" for i in range(count[c])]
         else:
-            size = {"doc-2k": 2048, "doc-4k": 4096, "doc-6k": 6144}[c]
-            out += [f"{c}-{name}" for name, _ in DOCUMENTS[size]]
+            out += [f"{c}-{name}" for name, _ in DOCUMENTS[DOC_SIZES[c]]]
     return out
 
 
@@ -149,9 +153,7 @@ def suite(tokenizer, categories: Sequence[str] = SUITE, maths: int = 2) -> List[
         ModuleNotFoundError saying how to install it: "maths" asked for and champ-dataset absent.
         FileNotFoundError naming the file: a licence text is missing.
     """
-    unknown = [c for c in categories if c not in SUITE]
-    if unknown:
-        raise ValueError(f"--suite categories: unknown {unknown}; known: {list(SUITE)}")
+    _check_categories(categories)
     out = []
     for c in SUITE:
         if c not in categories:
@@ -171,7 +173,7 @@ def suite(tokenizer, categories: Sequence[str] = SUITE, maths: int = 2) -> List[
                      "text": f"{p['problem']}\nSolve it step by step."}
                     for i, p in enumerate(problems)]
         else:
-            size = {"doc-2k": 2048, "doc-4k": 4096, "doc-6k": 6144}[c]
+            size = DOC_SIZES[c]
             out += [{"name": f"{c}-{name}", "kind": c,
                      "text": f"{cut_document(tokenizer, name, size)}\n\n{question}"}
                     for name, question in DOCUMENTS[size]]
