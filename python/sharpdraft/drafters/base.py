@@ -217,8 +217,22 @@ def state_bytes(*parts) -> int:
     return total
 
 
+def session_cache(target_cache, num_layers: int, extra: int):
+    """A drafter session's KV cache of `num_layers` layers: a `PreallocatedCache` (keys and values
+    written in place) sized for the run, the target runtime cache's capacity plus `extra` rows
+    that one step may append past the committed ones, when `target_cache` has a capacity; else
+    a DynamicCache (which copies all of its rows on every append)."""
+    from transformers import DynamicCache
+
+    from ..target.kv_cache import PreallocatedCache
+
+    capacity = getattr(target_cache, "capacity", None)
+    return PreallocatedCache(num_layers, capacity + extra) if capacity else DynamicCache()
+
+
 def crop_to(cache, length: int) -> None:
-    """Drop the entries of a DynamicCache past the first `length` positions."""
+    """Drop the entries of a session cache (`session_cache`) past the first `length`
+    positions."""
     extra = cache.get_seq_length() - length
     if extra > 0:
         cache.crop(-extra)

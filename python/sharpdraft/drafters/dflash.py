@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 
 from ..attention import SharpConfig, attend
 from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
-                   last_keys, llama_config, state_bytes, target_geometry)
+                   last_keys, llama_config, session_cache, state_bytes, target_geometry)
 from .common import evenly_spaced_layers
 
 
@@ -300,15 +300,17 @@ class DFlashDrafter(Drafter):
     def start(self, target, prompt_ids: torch.Tensor, hidden_states,
               target_cache=None) -> "DFlashSession":
         """A draft session after the target's prefill forward over `prompt_ids`."""
-        return DFlashSession(self, target, self.context_features(hidden_states))
+        return DFlashSession(self, target, self.context_features(hidden_states),
+                             session_cache(target_cache, self.config.num_layers,
+                                           self.config.block_size))
 
 
 class DFlashSession:
     """Chain drafting state: the drafter KV cache and the context features not yet in it."""
 
-    def __init__(self, drafter: DFlashDrafter, target, new_context: torch.Tensor):
+    def __init__(self, drafter: DFlashDrafter, target, new_context: torch.Tensor, cache=None):
         self.drafter, self.target = drafter, target
-        self.cache = DynamicCache()
+        self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.new_context = new_context
 
     def propose(self, last: int, position: int, draw) -> tuple:

@@ -36,9 +36,9 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from ..target.kv_cache import PreallocatedCache
 from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
-                   last_keys, llama_config, state_bytes, target_geometry, window_mask)
+                   last_keys, llama_config, session_cache, state_bytes, target_geometry,
+                   window_mask)
 
 
 @dataclass
@@ -278,14 +278,14 @@ class Eagle3Drafter(Drafter):
 
     def start(self, target, prompt_ids: torch.Tensor, hidden_states,
               target_cache=None) -> "Eagle3Session":
-        # the run's length is the target cache's capacity (when it has one); a step appends at
-        # most a chain's drafts or a tree's expanded frontiers past the committed rows
-        capacity = getattr(target_cache, "capacity", None)
-        if capacity is not None:
-            c = self.config
-            capacity += max(c.chain_length, max(0, c.tree_depth - 1) * c.tree_topk) + 1
+        # a step appends at most a chain's drafts or a tree's expanded frontiers past the
+        # committed rows (at a 2k-token prompt a preallocated cache took drafting from 17.5-20.1
+        # to 16.3 ms a step: a DynamicCache copies its rows on every append)
+        c = self.config
+        cache = session_cache(target_cache, 1,
+                              max(c.chain_length, max(0, c.tree_depth - 1) * c.tree_topk) + 1)
         return Eagle3Session(self, target, prompt_ids[0].tolist(),
-                             self.context_features(hidden_states), capacity)
+                             self.context_features(hidden_states), cache)
 
 
 class DraftTree:
@@ -345,14 +345,11 @@ class Eagle3Session:
     features of the committed positions not yet run through the drafter."""
 
     def __init__(self, drafter: Eagle3Drafter, target, tokens: List[int],
-                 features: torch.Tensor, capacity: Optional[int] = None):
+                 features: torch.Tensor, cache=None):
         self.drafter, self.target = drafter, target
         self.tokens = list(tokens)             # committed, without the pending `last`
         self.pending = features                 # (1, P - c, n * Ht) for positions c .. P - 1
-        # keys and values written in place when the run's length is known (a DynamicCache
-        # copies all of them on every append: at a 2k-token prompt, 17.5-20.1 -> 16.3 ms of
-        # drafting a step, default target and drafter, 2 cores)
-        self.cache = PreallocatedCache(1, capacity) if capacity else DynamicCache()
+        self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.last = None
         self.emb = drafter.token_embeddings(target)
 

@@ -33,7 +33,8 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 from ..attention import SharpConfig, register
 from ..target.kv_cache import CACHE_KWARG
 from .base import (Drafter, check_config, crop_to, draw_rows, llama_config,
-                   require_llama_layers, state_bytes, target_geometry, window_mask)
+                   require_llama_layers, session_cache, state_bytes, target_geometry,
+                   window_mask)
 
 
 @dataclass
@@ -213,16 +214,18 @@ class PARDDrafter(Drafter):
 
     def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
               target_cache=None) -> "PARDSession":
-        return PARDSession(self, target, prompt_ids[0].tolist())
+        return PARDSession(self, target, prompt_ids[0].tolist(),
+                           session_cache(target_cache, self.config.num_layers,
+                                         self.config.num_draft_tokens + 1))
 
 
 class PARDSession:
     """Chain drafting state: the committed tokens and the drafter's KV cache of them."""
 
-    def __init__(self, drafter: PARDDrafter, target, tokens: List[int]):
+    def __init__(self, drafter: PARDDrafter, target, tokens: List[int], cache=None):
         self.drafter, self.target = drafter, target
         self.tokens = list(tokens)       # committed, without the pending `last`
-        self.cache = DynamicCache()
+        self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.last = None
 
     @torch.no_grad()
