@@ -40,6 +40,30 @@ def test_decoding_is_token_identical_to_target_greedy(target, tree, sharp):
             assert all(n == 8 for n in res.draft_lengths)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_prompt_keys_written_at_start_draft_as_the_full_first_pass(target, window):
+    """start() stores the prompt's keys and values without attending (absorb_prompt); the
+    first draft step then drafts what one pass of the layer over every prompt row gives."""
+    from transformers import DynamicCache
+    from sharpdraft.target.runtime import TargetRuntime
+
+    drafter = tiny_eagle3(target, chain_length=4)
+    drafter.context_window = window
+    prompt = prompt_of(19, 4)
+    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+    runtime.start(40)
+    out = runtime.forward(prompt, last_only=True)
+    eager = drafter.start(target, prompt, out.hidden, runtime.cache)
+    assert eager.cache.get_seq_length() == 18 and eager.pending.shape[1] == 1
+    lazy = e3.Eagle3Session(drafter, target, prompt[0].tolist(),
+                            drafter.context_features(out.hidden), DynamicCache())
+    last = int(out.logits[-1].argmax())
+    a, la = eager.propose(last, 19, lambda row: int(row.argmax()))
+    b, lb = lazy.propose(last, 19, lambda row: int(row.argmax()))
+    assert a == b
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+
+
 def test_chain_drafting_stops_where_the_threshold_cuts(target, monkeypatch):
     """With draft_threshold, an EAGLE-3 session stops drafting after the first draft below it
     (drafts_one_by_one): the same drafts reach verification as when every draft is computed and

@@ -191,6 +191,14 @@ class Eagle3Drafter(Drafter):
                    causal=attn_mask is None and q.shape[2] > 1, attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
 
+    def write_keys(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   cache) -> None:
+        """Append rows' keys and values to `cache` without attending: what `step` stores for
+        rows whose outputs nobody reads (a prompt's rows before the last). Same arguments."""
+        _, k, v = self.self_attn.qkv(self._layer_in(embeds, hidden),
+                                     self.rotary_emb(embeds, positions))
+        cache.update(k, v, 0)
+
     # ----- training -----------------------------------------------------------------------------
     def ttt_logits(self, target, features: torch.Tensor, ids: torch.Tensor,
                    steps: int, positions: Optional[torch.Tensor] = None,
@@ -284,8 +292,10 @@ class Eagle3Drafter(Drafter):
         c = self.config
         cache = session_cache(target_cache, 1,
                               max(c.chain_length, max(0, c.tree_depth - 1) * c.tree_topk) + 1)
-        return Eagle3Session(self, target, prompt_ids[0].tolist(),
-                             self.context_features(hidden_states), cache)
+        session = Eagle3Session(self, target, prompt_ids[0].tolist(),
+                                self.context_features(hidden_states), cache)
+        session.absorb_prompt()
+        return session
 
 
 class DraftTree:
@@ -352,6 +362,23 @@ class Eagle3Session:
         self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.last = None
         self.emb = drafter.token_embeddings(target)
+
+    @torch.no_grad()
+    def absorb_prompt(self) -> None:
+        """Store the keys and values of the prompt's rows now, all but the last (row i pairs
+        feature g_i with token i + 1, known for i < P - 1; row P - 1 waits for the first new
+        token). Only the last row's output is ever read, so these rows need no attention and no
+        MLP (`write_keys`), and the work happens with the target's prefill, as a serving engine
+        does it, instead of inside the first draft step."""
+        c, end = self.cache.get_seq_length(), len(self.tokens) - 1
+        if end <= c:
+            return
+        dev = self.pending.device
+        ids = torch.tensor([self.tokens[c + 1:end + 1]], device=dev)
+        pos = torch.arange(c, end, device=dev)[None]
+        self.drafter.write_keys(self.emb(ids), self.drafter.fuse(self.pending[:, :end - c]), pos,
+                                self.cache)
+        self.pending = self.pending[:, end - c:]
 
     def _root(self, last: int, position: int):
         """Run the pending rows (the last one pairs g_{P-1} with `last`); returns the output of
