@@ -188,6 +188,25 @@ def test_rows_see_the_committed_prefix_and_earlier_rows(target, monkeypatch):
         position += len(accepted)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_prompt_run_at_start_drafts_as_a_first_step_over_it(target, window):
+    """start() runs the drafter over the prompt (absorb_prompt); the first draft step then
+    drafts what a step over prompt, last token and masks in one forward gives."""
+    from transformers import DynamicCache
+    from sharpdraft.drafters.pard import PARDSession
+
+    drafter = tiny_pard(target, num_draft_tokens=4)
+    drafter.context_window = window
+    prompt = torch.randint(3, 256, (1, 13), generator=torch.Generator().manual_seed(6))
+    eager = drafter.start(target, prompt)
+    assert eager.cache.get_seq_length() == 13
+    lazy = PARDSession(drafter, target, prompt[0].tolist(), DynamicCache())
+    a, la = eager.propose(9, 13, lambda row: int(row.argmax()))
+    b, lb = lazy.propose(9, 13, lambda row: int(row.argmax()))
+    assert a == b
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+
+
 def test_window_mask_by_hand():
     # rows 3..6 (context rows 3, 4; first draft position 5), window 2
     m = window_mask(torch.arange(3, 7), 5, 2)[0, 0]

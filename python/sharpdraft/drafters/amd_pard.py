@@ -444,7 +444,9 @@ class AMDPARDDrafter(PARDDrafter):
     # ----- sessions ---------------------------------------------------------------------------
     def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
               target_cache=None) -> PARDSession:
-        return PARDSession(self, target, prompt_ids[0].tolist())
+        session = PARDSession(self, target, prompt_ids[0].tolist())
+        session.absorb_prompt()
+        return session
 
     # ----- fitting a target -----------------------------------------------------------------
     def target_problems(self, target) -> List[str]:

@@ -214,9 +214,11 @@ class PARDDrafter(Drafter):
 
     def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
               target_cache=None) -> "PARDSession":
-        return PARDSession(self, target, prompt_ids[0].tolist(),
-                           session_cache(target_cache, self.config.num_layers,
-                                         self.config.num_draft_tokens + 1))
+        session = PARDSession(self, target, prompt_ids[0].tolist(),
+                              session_cache(target_cache, self.config.num_layers,
+                                            self.config.num_draft_tokens + 1))
+        session.absorb_prompt()
+        return session
 
 
 class PARDSession:
@@ -227,6 +229,21 @@ class PARDSession:
         self.tokens = list(tokens)       # committed, without the pending `last`
         self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.last = None
+
+    @torch.no_grad()
+    def absorb_prompt(self) -> None:
+        """Run the drafter over the committed tokens not yet in its cache (at start: the
+        prompt), so that its pass over the prompt happens with the target's prefill, as a
+        serving engine does it, instead of inside the first draft step."""
+        cached, n = self.cache.get_seq_length(), len(self.tokens)
+        if n <= cached:
+            return
+        dev = self.target.get_input_embeddings().weight.device
+        ids = torch.tensor([self.tokens[cached:]], device=dev)
+        pos = torch.arange(cached, n, device=dev)[None]
+        self.drafter(self.drafter.embed(self.target, ids, torch.zeros_like(ids, dtype=torch.bool)),
+                     pos, attn_mask=window_mask(pos[0], n, self.drafter.context_window),
+                     cache=self.cache)
 
     @torch.no_grad()
     def propose(self, last: int, position: int, draw) -> tuple:
