@@ -24,7 +24,8 @@ cheaper where its cost grows with its length (CPUs); a drafter that drafts one t
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
 forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The
 prefill forward (which commits the first token) is counted in `target_forwards` but not in tau.
-Times: the prefill (prompt forward + first token) is timed apart from the decode that follows,
+Times: the prefill (the target's prompt forward, the drafter session's start with whatever pass
+over the prompt it makes, and the first token) is timed apart from the decode that follows,
 and the decode's drafting and verification apart from each other (spec §7: speedup and
 decode speedup).
 
