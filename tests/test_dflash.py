@@ -55,6 +55,28 @@ def test_cached_drafting_equals_training_forward(models):
         torch.testing.assert_close(lg, full[k, 1:], rtol=1e-4, atol=1e-4)
 
 
+def test_context_written_at_start_drafts_as_the_first_step_over_it(models):
+    """start() writes the prompt's context keys (absorb_prompt, write_context); the first draft
+    step then drafts what a step that takes the whole context in gives, and the cache holds
+    the same keys and values."""
+    from sharpdraft.drafters.dflash import DFlashSession
+
+    target, ids, feats = models
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.sharp = SharpConfig(mode="fixed_slope", slope=0.25, n_ref=8)
+    eager = DFlashSession(drafter, target, feats[:, :20], DynamicCache())
+    eager.absorb_prompt()
+    assert eager.cache.get_seq_length() == 20 and eager.new_context.shape[1] == 0
+    lazy = DFlashSession(drafter, target, feats[:, :20], DynamicCache())
+    a, la = eager.propose(int(ids[0, 20]), 20, lambda row: int(row.argmax()))
+    b, lb = lazy.propose(int(ids[0, 20]), 20, lambda row: int(row.argmax()))
+    assert a == b
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    for x, y in zip(eager.cache.layers, lazy.cache.layers):
+        torch.testing.assert_close(x.keys, y.keys, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.values, y.values, rtol=1e-6, atol=1e-6)
+
+
 def test_block_sees_only_earlier_context(models):
     target, ids, feats = models
     drafter = tiny_drafter(target)

@@ -103,6 +103,12 @@ class DFlashAttention(HeadProjections):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
+    def context_kv(self, ctx, ctx_rope) -> tuple:
+        """Keys and values of the context rows (B, Hk, Tn, d): the context is keys only."""
+        kc = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads))
+        vc = self._heads(self.v_proj(ctx), self.num_kv_heads)
+        return apply_rotary_pos_emb(kc, kc, *ctx_rope)[0], vc
+
     def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
                 sharp: SharpConfig, attn_mask: Optional[torch.Tensor],
                 window: Optional[int] = None):
@@ -110,9 +116,7 @@ class DFlashAttention(HeadProjections):
         k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
         v = self._heads(self.v_proj(x), self.num_kv_heads)
         q, k = apply_rotary_pos_emb(q, k, *block_rope)
-        kc = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads))
-        vc = self._heads(self.v_proj(ctx), self.num_kv_heads)
-        kc = apply_rotary_pos_emb(kc, kc, *ctx_rope)[0]
+        kc, vc = self.context_kv(ctx, ctx_rope)
         if cache is not None:  # context keys/values only: the block is recomputed every step
             kc, vc = cache.update(kc, vc, layer)
         if attn_mask is None:  # inference: optionally the last `window` context keys only
@@ -202,6 +206,15 @@ class DFlashDrafter(Drafter):
             x = layer(x, ctx, block_rope, ctx_rope, cache, i, self.sharp, attn_mask,
                       self.context_window)
         return self.norm(x)
+
+    def write_context(self, context_features: torch.Tensor, context_positions: torch.Tensor,
+                      cache) -> None:
+        """Append the context rows' keys and values to `cache` (every layer) without running a
+        block: what `forward` stores for them. Shapes as in `forward`."""
+        ctx = self.hidden_norm(self.fc(context_features))
+        ctx_rope = self.rotary_emb(ctx, context_positions)
+        for i, layer in enumerate(self.layers):
+            cache.update(*layer.self_attn.context_kv(ctx, ctx_rope), i)
 
     def block_logits(self, target, context_features: torch.Tensor, block_ids: torch.Tensor,
                      anchors: torch.Tensor,
@@ -300,9 +313,11 @@ class DFlashDrafter(Drafter):
     def start(self, target, prompt_ids: torch.Tensor, hidden_states,
               target_cache=None) -> "DFlashSession":
         """A draft session after the target's prefill forward over `prompt_ids`."""
-        return DFlashSession(self, target, self.context_features(hidden_states),
-                             session_cache(target_cache, self.config.num_layers,
-                                           self.config.block_size))
+        session = DFlashSession(self, target, self.context_features(hidden_states),
+                                session_cache(target_cache, self.config.num_layers,
+                                              self.config.block_size))
+        session.absorb_prompt()
+        return session
 
 
 class DFlashSession:
@@ -312,6 +327,16 @@ class DFlashSession:
         self.drafter, self.target = drafter, target
         self.cache = DynamicCache() if cache is None else cache   # `session_cache`
         self.new_context = new_context
+
+    @torch.no_grad()
+    def absorb_prompt(self) -> None:
+        """Store the prompt's context keys and values now (`write_context`), with the target's
+        prefill, as a serving engine does it, instead of inside the first draft step."""
+        tn = self.new_context.shape[1]
+        if tn:
+            pos = torch.arange(tn, device=self.new_context.device)[None]
+            self.drafter.write_context(self.new_context, pos, self.cache)
+            self.new_context = self.new_context[:, :0]
 
     def propose(self, last: int, position: int, draw) -> tuple:
         return draw_rows(self.drafter.draft_logits(self.target, last, position, self.new_context,
