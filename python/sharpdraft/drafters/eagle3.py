@@ -411,8 +411,9 @@ class Eagle3Session:
             row = d.to_target_vocab(self.target, d.head(self.target, normed[0]))[0]
             logits.append(row)
             drafts.append(draw(row))
-            if j + 1 == d.config.chain_length or (
-                    stop_below > 0 and float(torch.softmax(row.float(), -1)[drafts[-1]]) < stop_below):
+            unsure = (stop_below > 0
+                      and float(torch.softmax(row.float(), -1)[drafts[-1]]) < stop_below)
+            if j + 1 == d.config.chain_length or unsure:
                 break
             pos = torch.tensor([[position + j]], device=hidden.device)
             normed, hidden = d.step(self.emb(torch.tensor([[drafts[-1]]], device=hidden.device)),
