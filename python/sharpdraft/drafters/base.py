@@ -35,8 +35,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 
+from ..target.kv_cache import PreallocatedCache
 from ..target.linears import as_packed, plan_linears
 
 CONFIG_FILE = "config.json"
@@ -222,10 +223,6 @@ def session_cache(target_cache, num_layers: int, extra: int):
     written in place) sized for the run, the target runtime cache's capacity plus `extra` rows
     that one step may append past the committed ones, when `target_cache` has a capacity; else
     a DynamicCache (which copies all of its rows on every append)."""
-    from transformers import DynamicCache
-
-    from ..target.kv_cache import PreallocatedCache
-
     capacity = getattr(target_cache, "capacity", None)
     return PreallocatedCache(num_layers, capacity + extra) if capacity else DynamicCache()
 

@@ -214,7 +214,8 @@ def gc_paused(fn):
     every tracked object of the process, hundreds of thousands once a model and its tokenizer
     are loaded, and the decode loop's small allocations set one off every few steps: paused,
     target-only decoding of SmolLM2-135M on its Q4_1 blocks went from 85-87 to 95-98 tok/s
-    (2-core Xeon, two interleaved runs each). The three decoding loops are wrapped."""
+    (2-core Xeon, two interleaved runs each). The decoding loops here and
+    `batched.generate_batch` are wrapped."""
     @functools.wraps(fn)
     def run(*args, **kwargs):
         was_enabled = gc.isenabled()
