@@ -27,6 +27,9 @@ def main():
     p.add_argument("--weights", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft-threshold", type=float, default=None,
+                   help="chain drafting's draft threshold for every drafter (default: each "
+                        "drafter's measured draft_threshold, as the command line)")
     p.add_argument("--out", default="benchmarks/results/tasks-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -37,7 +40,7 @@ def main():
         variants.update(bench_variants(kind, drafter, registry.get(kind).trees))
     prompts = suite_prompts(tokenizer, args.categories)
     run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, None, Path(args.out),
-              target_info=info)
+              draft_threshold=args.draft_threshold, target_info=info)
     print((Path(args.out) / "bench.md").read_text())
 
 

@@ -59,6 +59,7 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
 
 
 @pytest.mark.parametrize("drafter", [["--drafter", "eagle3"], ["--drafter", "eagle3", "--tree"],
+                                     ["--drafter", "eagle3", "--draft-threshold", "0.3"],
                                      ["--drafter", "pard", "--drafter-layers", "1"]])
 def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     rc = cli.main(["generate", "--target", str(checkpoint), "--prompt",
@@ -68,6 +69,9 @@ def test_generate_with_each_drafter_family(checkpoint, capsys, drafter):
     report = json.loads(capsys.readouterr().out)
     assert report["identical_to_ar"] is True and report["new_tokens"] == 10
     assert report["drafter"] == drafter[1] + ("-tree" if "--tree" in drafter else "")
+    flag = drafter[drafter.index("--draft-threshold") + 1] if "--draft-threshold" in drafter \
+        else "0"                                     # an untrained drafter measured none
+    assert report["draft_threshold"] == float(flag)
 
 
 def test_generate_task_runs_the_suites_own_prompt(checkpoint, capsys):
@@ -195,6 +199,7 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
 
     target = tiny_target()
     drafter = tiny_eagle3(target, tree_topk=2, tree_depth=2, tree_tokens=4, chain_length=3)
+    drafter.config.draft_threshold = 0.9      # a checkpoint's measured default: chain only
 
     class Tok:
         eos_token_id = None
@@ -212,6 +217,11 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert md.count("| eagle3-tree |") == 2 and md.count("| eagle3-chain |") == 2
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["settings"]["max_drafts"] == {"eagle3-chain": 3, "eagle3-tree": 4}
+    assert saved["settings"]["draft_threshold"] is None
+    assert saved["settings"]["draft_thresholds"] == {"eagle3-chain": 0.9, "eagle3-tree": 0.0}
+    # an untrained drafter over 256 tokens is never 90% sure: every chain step keeps one draft
+    for r in rows:
+        assert r["eagle3-chain-frozen"]["mean_draft_length"] == 1.0
     assert saved["settings"]["target_dtype"] == "float32"
     assert (tmp_path / "tau_vs_context.png").stat().st_size > 1000
     assert (tmp_path / "speedup_by_kind.png").stat().st_size > 1000

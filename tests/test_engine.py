@@ -105,6 +105,31 @@ def test_draft_threshold_cuts_before_the_first_unsure_draft(target):
         speculative_generate(target, drafter, prompt, 4, draft_threshold=1.5)
 
 
+def test_a_checkpoints_draft_threshold_is_the_default(target, tmp_path):
+    """`generate` without draft_threshold cuts drafts at the drafter config's measured
+    draft_threshold (kept through save / read_config); an explicit 0 still verifies every draft;
+    a threshold outside [0, 1] in config.json is refused naming the field."""
+    from sharpdraft import generate
+
+    prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(7))
+    ref = hf_greedy(target, prompt, 40)
+    base = tiny_drafter(target, block_size=6)
+    base.config.draft_threshold = 0.5
+    base.save(tmp_path / "ckpt")
+    config = DFlashDrafter.read_config(tmp_path / "ckpt")
+    assert config.draft_threshold == 0.5
+    drafter = ScriptedDrafter(DFlashDrafter(config), 9, ref, 5, 4).eval()
+    assert drafter.default_draft_threshold == 0.5
+    default = generate(target, drafter, prompt, max_new_tokens=40)
+    cut = speculative_generate(target, drafter, prompt, 40, draft_threshold=0.5)
+    full = generate(target, drafter, prompt, max_new_tokens=40, draft_threshold=0.0)
+    assert default.tokens == cut.tokens == full.tokens == ref
+    assert default.draft_lengths == cut.draft_lengths
+    assert all(n == 5 for n in full.draft_lengths) and min(default.draft_lengths) < 5
+    with pytest.raises(ValueError, match="draft_threshold"):
+        DFlashDrafter.read_config(tmp_path / "ckpt", overrides={"draft_threshold": 1.5})
+
+
 def test_eos_and_max_new_tokens_stop_exactly(target):
     prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(3))
     ref = hf_greedy(target, prompt, 30)

@@ -158,6 +158,9 @@ def cmd_generate(args) -> dict:
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
               "task": args.task,
               "drafter": args.drafter + ("-tree" if args.tree else ""),
+              "draft_threshold": 0.0 if args.tree else (
+                  drafter.default_draft_threshold if args.draft_threshold is None
+                  else args.draft_threshold),
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
                         for k, v in drafter.sharp.kernel_kwargs().items()},
               "max_drafts": drafter.max_tree_nodes if args.tree else drafter.max_drafts,

@@ -79,9 +79,10 @@ def _common(g: argparse.ArgumentParser) -> None:
                         "else 0.2)")
     g.add_argument("--n-ref", type=int, default=None,
                    help="reference cardinality (default: the drafter's training context)")
-    g.add_argument("--draft-threshold", type=float, default=0.0,
+    g.add_argument("--draft-threshold", type=float, default=None,
                    help="chain drafting: verify drafts only up to the first whose drafter "
-                        "probability is below this (0: all of them; lossless either way)")
+                        "probability is below this (0: all of them; lossless either way; "
+                        "default: the drafter checkpoint's measured draft_threshold, else 0)")
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
                         "EAGLE-3, PARD; default: all of them)")

@@ -92,7 +92,8 @@ def check_config(config, minimums: dict) -> None:
 
     Raises:
         ValueError naming the config class and field(s): a field of `minimums` ({field: least
-            value}) below its minimum; draft_vocab_size neither None nor >= 2; a Llama geometry
+            value}) below its minimum; draft_vocab_size neither None nor >= 2; draft_threshold
+            (where the config has one) outside [0, 1]; a Llama geometry
             no attention can have (see `check_geometry`).
     """
     name = type(config).__name__
@@ -106,6 +107,10 @@ def check_config(config, minimums: dict) -> None:
             or not isinstance(config.draft_vocab_size, int) or config.draft_vocab_size < 2):
         raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
                          f"{config.draft_vocab_size}")
+    threshold = getattr(config, "draft_threshold", 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"{name}.draft_threshold must lie in [0, 1], got {threshold!r}")
 
 
 GEOMETRY_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -424,6 +429,13 @@ class Drafter(nn.Module):
             self.register_buffer("d2t", torch.arange(draft_vocab_size), persistent=True)
         else:
             self.d2t = None
+
+    @property
+    def default_draft_threshold(self) -> float:
+        """Chain drafting's draft threshold when the caller gives none (`sharpdraft.generate`,
+        the CLI's --draft-threshold): the config's measured `draft_threshold`, else 0.0 (every
+        draft verified; public layouts carry none)."""
+        return float(getattr(getattr(self, "config", None), "draft_threshold", 0.0) or 0.0)
 
     @property
     def max_tree_nodes(self) -> int:

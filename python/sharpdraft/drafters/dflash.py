@@ -42,6 +42,8 @@ class DFlashConfig:
     of SharpDraft). qk_norm: an RMSNorm over each head's queries and keys before RoPE (Qwen3
     style), as the public z-lab DFlash drafters have; with qk_norm and no draft vocabulary the
     drafter is exactly a public DFlash drafter (`ZLabDFlashDrafter.from_drafter`).
+    draft_threshold: chain drafting's default draft threshold (`sharpdraft.generate`),
+    measured for these weights by benchmarks/draft_threshold_cpu.py (0: every draft verified).
     """
 
     hidden_size: int
@@ -63,6 +65,7 @@ class DFlashConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default",
                                                            "rope_theta": 10000.0})
     qk_norm: bool = False
+    draft_threshold: float = 0.0
 
     def __post_init__(self):
         check_config(self, {"block_size": 2, "num_layers": 1, "train_context": 1})

@@ -49,6 +49,8 @@ class Eagle3Config:
     decoder layer l). chain_length: drafts per step in chain mode. tree_topk, tree_depth,
     tree_tokens: tree drafting (children per expanded node, depth, nodes verified).
     train_context: training context length (SharpDraft's default n_ref).
+    draft_threshold: chain drafting's default draft threshold (`sharpdraft.generate`),
+    measured for these weights by benchmarks/draft_threshold_cpu.py (0: every draft verified).
     """
 
     hidden_size: int
@@ -64,6 +66,7 @@ class Eagle3Config:
     norm_features: bool = False
     feed_normed_output: bool = False
     chain_length: int = 5
+    draft_threshold: float = 0.0
     tree_topk: int = 4
     tree_depth: int = 5
     tree_tokens: int = 16

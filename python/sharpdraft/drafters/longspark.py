@@ -67,6 +67,8 @@ class LongSparkConfig:
     summary_size: R. correction_rank: rank of the Markov correction. mask_token_id: the target
     token whose embedding starts the mask slot. train_context: training context length (the
     default n_ref). sharp_scope / beta_tolerance: where SharpDraft acts (module docstring).
+    draft_threshold: chain drafting's default draft threshold (`sharpdraft.generate`),
+    measured for these weights by benchmarks/draft_threshold_cpu.py (0: every draft verified).
     """
 
     hidden_size: int
@@ -79,6 +81,7 @@ class LongSparkConfig:
     vocab_size: int
     mask_token_id: int
     num_drafts: int = 7
+    draft_threshold: float = 0.0
     window: int = 256
     summary_size: int = 16
     correction_rank: int = 32

@@ -45,6 +45,8 @@ class PARDConfig:
     (started from the target's first layers). num_draft_tokens: k, drafts per forward (k - 1
     mask tokens). train_context: the training context length (SharpDraft's default n_ref).
     draft_vocab_size: size of the reduced draft vocabulary (None: the target's).
+    draft_threshold: chain drafting's default draft threshold (`sharpdraft.generate`),
+    measured for these weights by benchmarks/draft_threshold_cpu.py (0: every draft verified).
     """
 
     hidden_size: int
@@ -54,6 +56,7 @@ class PARDConfig:
     head_dim: int
     num_layers: int = 4
     num_draft_tokens: int = 8
+    draft_threshold: float = 0.0
     train_context: int = 1024
     sharp_slopes: Optional[list] = None   # calibrated per layer (analyze calibrate)
     draft_vocab_size: Optional[int] = None

@@ -144,7 +144,7 @@ def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
 
 
 def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_tokens: int,
-              slope: Optional[float], out_dir: Path, draft_threshold: float = 0.0,
+              slope: Optional[float], out_dir: Path, draft_threshold: Optional[float] = None,
               target_info: Optional[dict] = None) -> List[dict]:
     """Run AR, then every variant frozen and with SharpDraft (greedy), on every prompt; write
     bench.json, bench.md and tau_vs_context.png to `out_dir`.
@@ -153,28 +153,34 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     True)}; each drafter runs with its current `sharp` config in mode "none" and in mode
     "fixed_slope" (its n_ref and calibrated layer slopes kept; `slope`, when given, replaces
     its slope), keys "<label>-frozen" and "<label>-sharp" of each row.
-    draft_threshold: passed to chain decoding (0: whole blocks are verified).
+    draft_threshold: passed to chain decoding (0: whole blocks are verified); None: each
+        drafter's measured default (`Drafter.default_draft_threshold`). Tree drafting has none.
+        bench.json's settings record the argument ("draft_threshold") and what each variant
+        ran ("draft_thresholds").
     target_info: the target's provenance (package, sha256, dtype: bfloat16 rounding makes
         speculative output leave target-only output at near-ties), recorded in bench.json.
     """
-    methods = {}
+    methods, thresholds = {}, {}
     for label, (drafter, tree) in variants.items():
+        thresholds[label] = 0.0 if tree else (drafter.default_draft_threshold
+                                              if draft_threshold is None else draft_threshold)
         base = drafter.sharp if slope is None else dataclasses.replace(drafter.sharp, slope=slope)
-        methods[f"{label}-frozen"] = (drafter, tree, dataclasses.replace(base, mode="none"))
-        methods[f"{label}-sharp"] = (drafter, tree, dataclasses.replace(base, mode="fixed_slope"))
+        for suffix, mode in (("frozen", "none"), ("sharp", "fixed_slope")):
+            methods[f"{label}-{suffix}"] = (drafter, tree, dataclasses.replace(base, mode=mode),
+                                            thresholds[label])
     rows = []
     eos = tokenizer.eos_token_id
-    for drafter, tree, sharp in methods.values():
+    for drafter, tree, sharp, threshold in methods.values():
         drafter.sharp = sharp
-        warm_up(target, drafter, prompts[0]["ids"], draft_threshold, tree)
+        warm_up(target, drafter, prompts[0]["ids"], threshold, tree)
     for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
         ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
         row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],
                "ar": {**ar.summary(), "seq_rep_4": seq_rep(ar.tokens)}}
-        for name, (drafter, tree, sharp) in methods.items():
+        for name, (drafter, tree, sharp, threshold) in methods.items():
             drafter.sharp = sharp
             res = decode(target, drafter, p["ids"], max_new_tokens, tree=tree,
-                         eos_token_id=eos, draft_threshold=draft_threshold)
+                         eos_token_id=eos, draft_threshold=threshold)
             row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
                          "decode_speedup": _ratio(res.decode_tokens_per_s,
                                                   ar.decode_tokens_per_s),
@@ -188,6 +194,7 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
                              for label in variants},
             "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
             "variants": list(variants), "draft_threshold": draft_threshold,
+            "draft_thresholds": thresholds,
             "context_window": {label: d.context_window for label, (d, _) in variants.items()},
             "max_drafts": {label: (d.max_tree_nodes if tree else d.max_drafts)
                            for label, (d, tree) in variants.items()},
@@ -233,12 +240,12 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
     variants = meta.get("variants", ["dflash"])
     windows = {k: v for k, v in meta.get("context_window", {}).items() if v is not None}
     calibrated = {k: v for k, v in meta.get("layer_slopes", {}).items() if v}
+    cut = {k: v for k, v in meta.get("draft_thresholds", {}).items() if v}
     lines = [f"Greedy decoding, {meta['max_new_tokens']} new tokens at most, SharpDraft slope "
              f"{meta['slope']}, n_ref {meta['n_ref']}"
              + (f", calibrated layer slopes {calibrated}" if calibrated else "")
              + (f", drafter context window {windows}" if windows else "")
-             + (f", draft threshold {meta['draft_threshold']}" if meta.get("draft_threshold")
-                else "") + ".", "",
+             + (f", draft thresholds {cut}" if cut else "") + ".", "",
              "Speedup: end to end (prefill included); decode: tokens/s after the first token "
              "(prefill excluded), both against target-only decoding in the same run. seq-rep-4: "
              "the share of the target's output 4-grams that repeat an earlier one (towards 1 "

@@ -23,7 +23,7 @@ def prompt_ids(tokenizer, prompt: str, context: Optional[str] = None,
 
 def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=None,
              max_new_tokens: int = 128, tree: bool = False, temperature: float = 0.0,
-             draft_threshold: float = 0.0, seed: int = 0, eos_token_id: Optional[int] = None,
+             draft_threshold: Optional[float] = None, seed: int = 0, eos_token_id: Optional[int] = None,
              chat: bool = True, progress=None) -> GenerationResult:
     """Decode `prompt` with `target`, speculatively with `drafter` (None: target-only).
 
@@ -39,8 +39,9 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
         max_new_tokens: tokens to generate (>= 1), EOS included.
         tree: tree drafting (a drafter whose `drafts_trees` is True) instead of chain drafting.
         temperature: 0 = greedy; > 0 = speculative sampling from softmax(logits / temperature).
-        draft_threshold: chain drafting verifies drafts only up to the first whose drafter
-            probability is below it (0: all).
+        draft_threshold: in [0, 1]; chain drafting verifies drafts only up to the first whose
+            drafter probability is below it (0: all). None: the drafter's measured default
+            (`Drafter.default_draft_threshold`) in chain drafting, 0 otherwise.
         seed: seed of the sampling generator.
         progress: optional callable(n) told of every n newly committed tokens.
 
@@ -49,8 +50,9 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
 
     Raises:
         ValueError naming the argument: text prompt without tokenizer, bad ids shape,
-            max_new_tokens < 1, negative temperature, a tree with a chain-only drafter, or
-            prompt + max_new_tokens past the target's context (max_position_embeddings).
+            max_new_tokens < 1, negative temperature, draft_threshold outside [0, 1], a tree
+            with a chain-only drafter, or prompt + max_new_tokens past the target's context
+            (max_position_embeddings).
     """
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -70,5 +72,7 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
         if draft_threshold:
             raise ValueError("draft_threshold: applies to chain drafting, not tree=True")
         return tree_speculative_generate(target, drafter, ids, max_new_tokens, **kwargs)
+    if draft_threshold is None:
+        draft_threshold = drafter.default_draft_threshold
     return speculative_generate(target, drafter, ids, max_new_tokens,
                                 draft_threshold=draft_threshold, **kwargs)
