@@ -5,9 +5,12 @@ A threshold p verifies a step's drafts only up to the first whose drafter probab
 p (`speculative_generate(draft_threshold=p)`; EAGLE-3 also stops drafting there). On a CPU a
 verification costs more with every row, so fewer, likelier drafts can pay although tau falls.
 SharpDraft is on as each drafter is configured; greedy, so every run must equal target-only
-output. Writes results.json, table.md and speedup_vs_threshold.png to --out.
+output. Writes results.json, table.md and speedup_vs_threshold.png to --out; with --write,
+also each shipped checkpoint's measured default (config.json's draft_threshold, what
+`sharpdraft.generate` and the CLI use when given none): the threshold with the best
+geometric-mean decode speedup over the suite's prompts.
 
-    python benchmarks/draft_threshold_cpu.py --out benchmarks/results/draft-threshold-cpu
+    python benchmarks/draft_threshold_cpu.py --out benchmarks/results/draft-threshold-cpu --write
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from tqdm import tqdm
 
 import sharpdraft
 from sharpdraft.data.tasks import SUITE
+from sharpdraft.drafters.loading import shipped_checkpoint
 from sharpdraft.eval.bench import decode, suite_prompts, warm_up
 from sharpdraft.inference.engine import autoregressive_generate
 
@@ -85,6 +89,18 @@ def plot(summary, path: Path) -> None:
     plt.close(fig)
 
 
+def write_threshold(kind: str, threshold: float) -> Path:
+    """Set draft_threshold in the shipped `kind` checkpoint's config.json (temporary name, then
+    renamed); returns the file."""
+    path = shipped_checkpoint(kind) / "config.json"
+    config = json.loads(path.read_text())
+    config["draft_threshold"] = threshold
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(config, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--drafters", nargs="+", default=["eagle3", "dflash", "pard", "longspark"])
@@ -93,6 +109,9 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/draft-threshold-cpu")
+    p.add_argument("--write", action="store_true",
+                   help="write each drafter's best threshold into its shipped checkpoint's "
+                        "config.json (draft_threshold)")
     args = p.parse_args()
     for t in args.thresholds:
         if not 0.0 <= t <= 1.0:
@@ -131,6 +150,10 @@ def main():
     (out / "table.md").write_text(table(summary, kinds))
     plot(summary, out / "speedup_vs_threshold.png")
     print((out / "table.md").read_text())
+    if args.write:
+        for d, per in summary.items():
+            best = max(per, key=lambda t: per[t]["geomean"] or 0.0)
+            print(f"{d}: draft_threshold {best} -> {write_threshold(d, float(best))}")
 
 
 if __name__ == "__main__":
