@@ -766,11 +766,21 @@ def test_model_card_reports_the_records_and_the_suite(tmp_path):
                     "dflash-sharp": {"story": {"tau": 9.0, "decode_speedup": 9.0},
                                      "geomean_decode_speedup": 9.0}}}))
     text = card.render(tmp_path, suite=str(tmp_path / "bench.json"))
-    assert "Wall time: 5.0 min (1.5 min of target features, 3.5 min of training)" in text
+    assert "Wall time: 5.0 min (3.5 min of training; 1.5 min of target features)" in text
     assert "| man | 15 |" in text and "| kjv | 15 |" in text
     assert "| eagle3-chain-sharp | story | 2.00 | 1.00x | 1/2 |" in text
     assert "dflash" not in text.split("## Held-out results")[1]
     assert "1,234 parameters" in text and "step 70" in text
+    assert "RECIPE.md" not in text
+    # a run that read a cache built before it: no feature minutes to add, and the card says so
+    record = json.loads((tmp_path / "training.json").read_text())
+    record["cache_seconds"], record["train_data"]["autocast"] = 0.9, "bfloat16"
+    (tmp_path / "training.json").write_text(json.dumps(record))
+    (tmp_path / "RECIPE.md").write_text("stages")
+    text = card.render(tmp_path)
+    assert ("Wall time: 3.5 min (3.5 min of training; target features read from the cache an "
+            "earlier run built, computed under bfloat16 autocast)") in text
+    assert "and `RECIPE.md`" in text
     (tmp_path / "training.json").write_text("{")
     with pytest.raises(ValueError, match="training.json"):
         card.render(tmp_path)

@@ -98,9 +98,13 @@ def render(folder, *, suite: Optional[str] = None, note: str = "") -> str:
               f"or `sharpdraft.load_drafter(\"{folder}\", target)` in Python.",
               "", "## Training", ""]
     wall = (tr.get("cache_seconds") or 0) + (tr.get("train_seconds") or 0)
-    lines += [f"- Wall time: {_minutes(wall)} ({_minutes(tr.get('cache_seconds'))} of target "
-              f"features, {_minutes(tr.get('train_seconds'))} of training) on "
-              f"{args.get('threads')} CPU threads ({args.get('device', 'cpu')}).",
+    cached = (tr.get("cache_seconds") or 0) < 60          # the cache came from an earlier run
+    features = ("target features read from the cache an earlier run built"
+                if cached else f"{_minutes(tr.get('cache_seconds'))} of target features")
+    if data.get("autocast"):
+        features += f", computed under {data['autocast']} autocast"
+    lines += [f"- Wall time: {_minutes(wall)} ({_minutes(tr.get('train_seconds'))} of training; "
+              f"{features}) on {args.get('threads')} CPU threads ({args.get('device', 'cpu')}).",
               f"- Steps: {tr.get('steps_done', 0):,}; trained rows seen: "
               f"{tr.get('trained_rows_seen', 0):,}; peak learning rate {args.get('lr')}, "
               f"warm-up {args.get('warmup')} steps, seed {args.get('seed')}, autocast "
@@ -148,7 +152,8 @@ def render(folder, *, suite: Optional[str] = None, note: str = "") -> str:
     lines += ["", "## Files", "",
               "`config.json` (configuration), `model.safetensors` (weights), `training.json` "
               "(command, arguments, target provenance, data sizes, every held-out evaluation), "
-              "this card.", ""]
+              "this card" + (" and `RECIPE.md` (every stage's command and results)"
+                             if (folder / "RECIPE.md").is_file() else "") + ".", ""]
     return "\n".join(lines)
 
 
