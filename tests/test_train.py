@@ -285,6 +285,32 @@ def test_resolve_precision_replaces_auto_only_and_records_the_timings():
     assert loop.autocast_dtype("off") is None and loop.autocast_dtype("bfloat16") is torch.bfloat16
 
 
+def test_cache_dtype_auto_reuses_a_complete_cache(tmp_path, monkeypatch):
+    """--cache-dtype auto takes the precision of a complete train cache of the same selection
+    (no timing, nothing rebuilt); a selection without one is left to the measurement."""
+    import argparse
+
+    target, tok, prov = tiny_target(), ByteTokenizer(), {"source": "tiny"}
+    kw = dict(split="train", seq_len=48, topk=4, home=tmp_path, tokens=4 * 48)
+    assert tc.complete_cache_dtype(tok, prov, [0, 2], **kw) is None
+    tc.cached_features(target, tok, prov, [0, 2], **kw, autocast=torch.bfloat16)
+    assert tc.complete_cache_dtype(tok, prov, [0, 2], **kw) == "bfloat16"
+    longer = {**kw, "tokens": 16 * 48}                  # same folder, another list: incomplete
+    assert tc.complete_cache_dtype(tok, prov, [0, 2], **longer) is None
+    tc.cached_features(target, tok, prov, [0, 2], **longer)
+    assert tc.complete_cache_dtype(tok, prov, [0, 2], **longer) == "float32"
+    monkeypatch.setenv("SHARPDRAFT_HOME", str(tmp_path))
+    monkeypatch.setattr(loop, "choose_autocast", lambda *a, **k: pytest.fail("timed"))
+    args = argparse.Namespace(cache_dtype="auto", autocast="bfloat16", tokens=4 * 48,
+                              seq_len=48, topk=4, seed=0, corpus=None)
+    loop.reuse_cache_dtype(args, tok, prov, [0, 2])
+    loop.resolve_precision(args, target)
+    assert args.cache_dtype == "bfloat16"
+    other = argparse.Namespace(**{**vars(args), "cache_dtype": "auto", "topk": 3})
+    loop.reuse_cache_dtype(other, tok, prov, [0, 2])
+    assert other.cache_dtype == "auto"                  # nothing cached: measure as before
+
+
 def test_cache_key_ignores_the_dtype_timing_but_not_the_dtype():
     """--dtype auto records its float32 / bfloat16 timings in the target provenance; they vary
     run to run and must not make a new cache folder, while the chosen dtype must."""

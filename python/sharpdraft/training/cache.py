@@ -391,6 +391,40 @@ def cache_key(meta: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk, seed, corpus,
+               autocast) -> tuple:
+    """(sequences, trained flags, cache meta) of one split's selection (`cached_features`)."""
+    if corpus:
+        seqs, trained, meta = corpus_sequences(corpus, split, tokens, seq_len)
+    else:
+        seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
+    meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
+            "topk": topk, "split": split, **meta}
+    if autocast is not None:             # absent for the target's own precision: older keys hold
+        meta["autocast"] = str(autocast).replace("torch.", "")
+    meta["fingerprint"] = data.sequences_fingerprint(seqs)
+    return seqs, trained, meta
+
+
+def complete_cache_dtype(tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
+                         tokens: int, seq_len: int, topk: int, seed: int = 0,
+                         corpus: Optional[str] = None, home: Optional[Path] = None
+                         ) -> Optional[str]:
+    """The --cache-dtype ("bfloat16", else "float32") whose feature cache of this selection
+    (`cached_features`' arguments) is already complete, or None: what lets `--cache-dtype auto`
+    reuse the cache an earlier run built instead of timing both precisions again (a timing on
+    a busy machine may choose the other one and rebuild everything)."""
+    from ..target.loading import sharpdraft_home
+
+    for name, autocast in (("bfloat16", torch.bfloat16), ("float32", None)):
+        _, _, meta = _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk,
+                                seed, corpus, autocast)
+        folder = (home or sharpdraft_home()) / "train_cache" / cache_key(meta)
+        if FeatureCache(folder).complete(meta["fingerprint"]):
+            return name
+    return None
+
+
 def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
                     tokens: int, seq_len: int, topk: int, seed: int = 0,
                     corpus: Optional[str] = None, home: Optional[Path] = None,
@@ -403,15 +437,8 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
     meta as "autocast" and so keyed apart from the target's own precision."""
     from ..target.loading import sharpdraft_home
 
-    if corpus:
-        seqs, trained, meta = corpus_sequences(corpus, split, tokens, seq_len)
-    else:
-        seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
-    meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
-            "topk": topk, "split": split, **meta}
-    if autocast is not None:             # absent for the target's own precision: older keys hold
-        meta["autocast"] = str(autocast).replace("torch.", "")
-    meta["fingerprint"] = data.sequences_fingerprint(seqs)
+    seqs, trained, meta = _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len,
+                                     topk, seed, corpus, autocast)
     if online:
         print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
               f"({meta['source']}; features computed online)", file=sys.stderr)

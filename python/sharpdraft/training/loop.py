@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..target.precision import choose_autocast
 from ..drafters.common import evenly_spaced_layers
 from . import card
-from .cache import autocast_to, cached_features
+from .cache import autocast_to, cached_features, complete_cache_dtype
 from .losses import draft_vocabulary
 
 
@@ -91,8 +91,9 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int 
                    help="precision of the target forwards that fill the train split's feature "
                         "cache: bfloat16 runs them under autocast (float32 weights and "
                         "residual stream, bfloat16 matmuls) and is keyed apart from float32; "
-                        "auto: bfloat16 where measured faster, as --autocast auto; the "
-                        "held-out cache is always float32")
+                        "auto: the precision of a complete cache of this selection where one "
+                        "exists (bfloat16 first), else bfloat16 where measured faster, as "
+                        "--autocast auto; the held-out cache is always float32")
 
 
 def add_position_skip_arguments(p: argparse.ArgumentParser, default: float = 0.0) -> None:
@@ -174,10 +175,30 @@ def prepare_run(args, layer_ids: Callable) -> tuple:
     device = training_device(args.device)
     target, tokenizer, provenance = load_target(args.target, dtype=torch.float32)
     target.to(device)
+    reuse_cache_dtype(args, tokenizer, provenance, layer_ids(target))
     resolve_precision(args, target)
     t0 = time.time()
     train, held = load_data(args, target, tokenizer, provenance, layer_ids(target))
     return target, tokenizer, provenance, train, held, time.time() - t0
+
+
+def reuse_cache_dtype(args, tokenizer, provenance, layer_ids: List[int]) -> None:
+    """`--cache-dtype auto` with a complete train feature cache of this selection already on
+    disk (`cache.complete_cache_dtype`): set args.cache_dtype to its precision, so that no
+    timing runs and nothing is rebuilt. Anything else is left to `resolve_precision` and
+    `load_data` (which also report a missing corpus)."""
+    if getattr(args, "cache_dtype", None) != "auto" or getattr(args, "online_features", False):
+        return
+    try:
+        found = complete_cache_dtype(tokenizer, provenance, layer_ids, split="train",
+                                     tokens=args.tokens, seq_len=args.seq_len, topk=args.topk,
+                                     seed=args.seed, corpus=args.corpus)
+    except (FileNotFoundError, ValueError):
+        return
+    if found:
+        args.cache_dtype = found
+        print(f"sharpdraft train: --cache-dtype auto: reusing the complete {found} feature "
+              f"cache", file=sys.stderr)
 
 
 def resolve_precision(args, target) -> None:
