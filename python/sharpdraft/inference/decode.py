@@ -23,8 +23,9 @@ def prompt_ids(tokenizer, prompt: str, context: Optional[str] = None,
 
 def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=None,
              max_new_tokens: int = 128, tree: bool = False, temperature: float = 0.0,
-             draft_threshold: Optional[float] = None, seed: int = 0, eos_token_id: Optional[int] = None,
-             chat: bool = True, progress=None) -> GenerationResult:
+             draft_threshold: Optional[float] = None, seed: int = 0,
+             eos_token_id: Optional[int] = None, chat: bool = True,
+             progress=None) -> GenerationResult:
     """Decode `prompt` with `target`, speculatively with `drafter` (None: target-only).
 
     Lossless: at temperature 0 the tokens equal target-only greedy decoding; above it they are
