@@ -27,6 +27,7 @@ import sharpdraft
 from sharpdraft.data.tasks import SUITE
 from sharpdraft.drafters.loading import shipped_checkpoint
 from sharpdraft.eval.bench import decode, suite_prompts, warm_up
+from sharpdraft.eval.report import write_json
 from sharpdraft.inference.engine import autoregressive_generate
 
 
@@ -90,15 +91,10 @@ def plot(summary, path: Path) -> None:
 
 
 def write_threshold(kind: str, threshold: float) -> Path:
-    """Set draft_threshold in the shipped `kind` checkpoint's config.json (temporary name, then
-    renamed); returns the file."""
+    """Set draft_threshold in the shipped `kind` checkpoint's config.json (`write_json`:
+    temporary name, then renamed); returns the file."""
     path = shipped_checkpoint(kind) / "config.json"
-    config = json.loads(path.read_text())
-    config["draft_threshold"] = threshold
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps(config, indent=2))
-    os.replace(tmp, path)
-    return path
+    return write_json(path, {**json.loads(path.read_text()), "draft_threshold": threshold})
 
 
 def main():

@@ -391,8 +391,8 @@ def cache_key(meta: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk, seed, corpus,
-               autocast) -> tuple:
+def _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk, seed,
+               corpus) -> tuple:
     """(sequences, trained flags, cache meta) of one split's selection (`cached_features`)."""
     if corpus:
         seqs, trained, meta = corpus_sequences(corpus, split, tokens, seq_len)
@@ -400,10 +400,22 @@ def _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk, s
         seqs, trained, meta = text_sequences(tokenizer, split, tokens, seq_len, seed)
     meta = {"format": "sharpdraft-features/2", "target": provenance, "layer_ids": layer_ids,
             "topk": topk, "split": split, **meta}
-    if autocast is not None:             # absent for the target's own precision: older keys hold
-        meta["autocast"] = str(autocast).replace("torch.", "")
     meta["fingerprint"] = data.sequences_fingerprint(seqs)
     return seqs, trained, meta
+
+
+def _with_autocast(meta: dict, autocast) -> dict:
+    """`meta` keyed for features computed under `autocast` (None: the target's own precision,
+    recorded as no field, so older keys hold)."""
+    if autocast is None:
+        return meta
+    return {**meta, "autocast": str(autocast).replace("torch.", "")}
+
+
+def _cache_folder(meta: dict, home: Optional[Path]) -> Path:
+    from ..target.loading import sharpdraft_home
+
+    return (home or sharpdraft_home()) / "train_cache" / cache_key(meta)
 
 
 def complete_cache_dtype(tokenizer, provenance: dict, layer_ids: List[int], *, split: str,
@@ -414,13 +426,11 @@ def complete_cache_dtype(tokenizer, provenance: dict, layer_ids: List[int], *, s
     (`cached_features`' arguments) is already complete, or None: what lets `--cache-dtype auto`
     reuse the cache an earlier run built instead of timing both precisions again (a timing on
     a busy machine may choose the other one and rebuild everything)."""
-    from ..target.loading import sharpdraft_home
-
+    _, _, meta = _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk,
+                            seed, corpus)
     for name, autocast in (("bfloat16", torch.bfloat16), ("float32", None)):
-        _, _, meta = _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len, topk,
-                                seed, corpus, autocast)
-        folder = (home or sharpdraft_home()) / "train_cache" / cache_key(meta)
-        if FeatureCache(folder).complete(meta["fingerprint"]):
+        if FeatureCache(_cache_folder(_with_autocast(meta, autocast), home)).complete(
+                meta["fingerprint"]):
             return name
     return None
 
@@ -435,17 +445,16 @@ def cached_features(target, tokenizer, provenance: dict, layer_ids: List[int], *
     stores nothing: "features" is an `OnlineFeatures` and "folder" None. autocast: the target
     forwards run under `torch.autocast` in this dtype (`compute_features`), recorded in the
     meta as "autocast" and so keyed apart from the target's own precision."""
-    from ..target.loading import sharpdraft_home
-
     seqs, trained, meta = _selection(tokenizer, provenance, layer_ids, split, tokens, seq_len,
-                                     topk, seed, corpus, autocast)
+                                     topk, seed, corpus)
+    meta = _with_autocast(meta, autocast)
     if online:
         print(f"sharpdraft train: {split}: {len(seqs)} sequences, {sum(map(len, seqs))} tokens "
               f"({meta['source']}; features computed online)", file=sys.stderr)
         return {"features": OnlineFeatures(target, seqs, trained, layer_ids, topk,
                                            autocast=autocast),
                 "meta": {**meta, "online": True}, "folder": None}
-    cache = FeatureCache((home or sharpdraft_home()) / "train_cache" / cache_key(meta))
+    cache = FeatureCache(_cache_folder(meta, home))
     if not cache.complete(meta["fingerprint"]):
         cache.build(target, seqs, trained, layer_ids, topk, meta,
                     desc=f"caching {split} features", autocast=autocast)
