@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -140,9 +139,7 @@ def main():
     record = {"settings": {"max_new_tokens": args.max_new_tokens, "threads": args.threads,
                            "thresholds": args.thresholds, "target": info},
               "summary": summary, "runs": runs}
-    tmp = out / "results.json.partial"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, out / "results.json")
+    write_json(out / "results.json", record, indent=1)
     (out / "table.md").write_text(table(summary, kinds))
     plot(summary, out / "speedup_vs_threshold.png")
     print((out / "table.md").read_text())

@@ -39,10 +39,11 @@ def test_generate_json_compares_with_target_only(checkpoint, capsys, sharp):
         raise AssertionError(f"--json printed {name}, which strict JSON parsers reject")
     report = json.loads(capsys.readouterr().out, parse_constant=no_constants)
     for key in ("text", "new_tokens", "target_forwards", "tau", "tokens_per_s",
-                "ar_tokens_per_s", "speedup"):
+                "ar_tokens_per_s", "speedup", "seq_rep_4"):
         assert key in report
     assert report["identical_to_ar"] is True          # greedy: lossless
     assert report["new_tokens"] == report["ar_new_tokens"] == 12
+    assert 0.0 <= report["seq_rep_4"] <= 1 - 1 / 9      # 12 tokens: 9 4-grams, one at least unique
     # tau = committed tokens per verification forward (the prefill makes the first token)
     assert report["tau"] == pytest.approx((12 - 1) / (report["target_forwards"] - 1))
     assert report["sharp"]["mode"] == ("fixed_slope" if sharp == "--sharp" else "none")
@@ -373,6 +374,9 @@ def test_report_explains_a_bfloat16_divergence(capsys, dtype, identical, noted):
     cli.print_report(report)
     out = capsys.readouterr().out
     assert ("--dtype float32 gives token-identical output" in out) is noted
+    assert "seq-rep-4" not in out                     # reports without it print no such line
+    cli.print_report({**report, "seq_rep_4": 0.25})
+    assert "seq-rep-4 0.25: the share" in capsys.readouterr().out
     assert "identical to AR: " + str(identical) in out
 
 

@@ -43,6 +43,7 @@ import torch
 from ..data.sources import KJV_TASK, kjv_passage
 from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..drafters.loading import N_REF_SOURCES
+from ..eval.bench import seq_rep
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context
 from ..target.loading import load_target
@@ -156,7 +157,7 @@ def cmd_generate(args) -> dict:
         target, drafter, ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
         draft_threshold=args.draft_threshold, progress=progress, **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
-              "task": args.task,
+              "seq_rep_4": seq_rep(spec.tokens), "task": args.task,
               "drafter": args.drafter + ("-tree" if args.tree else ""),
               "draft_threshold": 0.0 if args.tree else (
                   drafter.default_draft_threshold if args.draft_threshold is None
@@ -436,6 +437,9 @@ def print_report(report: dict) -> None:
           f"{task}; "
           f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
           f"{report['tokens_per_s']:.1f} tok/s")
+    if "seq_rep_4" in report:
+        print(f"seq-rep-4 {report['seq_rep_4']:.2f}: the share of the output's 4-grams that "
+              f"repeat (near 0 for ordinary text, towards 1 in a loop, the easiest to draft)")
     if report.get("n_ref_source"):
         sharp = report["sharp"]
         state = (f"SharpDraft on (slope {sharp['slope']:g})" if sharp["mode"] != "none"
