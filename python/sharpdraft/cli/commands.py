@@ -455,8 +455,8 @@ def print_report(report: dict) -> None:
               f"{report['speedup']:.3f}x; identical to AR: {report['identical_to_ar']}")
         if report["identical_to_ar"] is False and report["target"].get("dtype") == "bfloat16":
             print("note: in bfloat16 the multi-row verification forward rounds differently from "
-                  "the one-row decode step, so near-tied tokens can differ (README, 'bfloat16 "
-                  "and losslessness'); --dtype float32 gives token-identical output")
+                  "the one-row decode step, so near-tied tokens can differ (docs/architecture.md, "
+                  "--dtype auto); --dtype float32 gives token-identical output")
         if report.get("decode_speedup") is not None:
             print(f"target-only AR decode: {report['ar_decode_tokens_per_s']:.1f} tok/s; "
                   f"decode speedup {report['decode_speedup']:.3f}x")
