@@ -24,7 +24,8 @@ from ..target.loading import DTYPES
 from ..target.quantized import WEIGHTS
 
 # the kind with the best geometric-mean decode speedup on the held-out task suite
-# (benchmarks/results/tasks-cpu: EAGLE-3 chain 0.75x, DFlash 0.55x on a 2-core Xeon)
+# (benchmarks/results/tasks-cpu: EAGLE-3 chain 1.26x, LongSpark 0.92x, DFlash 0.83x, PARD 0.69x
+# decode on a 2-core Xeon, each at its measured draft threshold)
 DEFAULT_DRAFTER = "eagle3"
 
 DESCRIPTION = "`sharpdraft` command line: speculative generation on a real target model."
