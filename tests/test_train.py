@@ -784,7 +784,7 @@ def test_model_card_reports_the_records_and_the_suite(tmp_path):
         "heldout_data": {"corpus": "c", "split": "heldout", "response_tokens": 8}}))
     run = lambda same: {"tau": 2.0, "decode_speedup": 1.5, "identical_to_ar": same}
     (tmp_path / "bench.json").write_text(json.dumps({
-        "settings": {"max_new_tokens": 16},
+        "settings": {"max_new_tokens": 16, "draft_thresholds": {"eagle3-chain": 0.6}},
         "runs": [{"kind": "story", "eagle3-chain-sharp": run(True), "dflash-sharp": run(True)},
                  {"kind": "story", "eagle3-chain-sharp": run(False)}],
         "by_kind": {"eagle3-chain-sharp": {"story": {"tau": 2.0, "decode_speedup": 1.0},
@@ -794,7 +794,7 @@ def test_model_card_reports_the_records_and_the_suite(tmp_path):
     text = card.render(tmp_path, suite=str(tmp_path / "bench.json"))
     assert "Wall time: 5.0 min (3.5 min of training; 1.5 min of target features)" in text
     assert "| man | 15 |" in text and "| kjv | 15 |" in text
-    assert "| eagle3-chain-sharp | story | 2.00 | 1.00x | 1/2 |" in text
+    assert "| eagle3-chain-sharp | story | 0.6 | 2.00 | 1.00x | 1/2 |" in text
     assert "dflash" not in text.split("## Held-out results")[1]
     assert "1,234 parameters" in text and "step 70" in text
     assert "RECIPE.md" not in text

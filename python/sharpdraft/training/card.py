@@ -48,9 +48,11 @@ def _kind_title(name: Optional[str]) -> str:
 
 
 def _suite_rows(suite: dict, kind: str) -> list:
-    """(variant, category, tau, decode speedup, identical runs, runs) of `kind`'s variants in a
-    task-suite bench.json: tau and speedup from its `by_kind` summary (what `sharpdraft bench`
-    wrote: mean tau, geometric-mean decode speedup), the identical count from its runs."""
+    """(variant, category, draft threshold, tau, decode speedup, identical runs, runs) of `kind`'s
+    variants in a task-suite bench.json: tau and speedup from its `by_kind` summary (what
+    `sharpdraft bench` wrote: mean tau, geometric-mean decode speedup), the identical count from
+    its runs, the threshold from its settings' `draft_thresholds` (None where it has none)."""
+    thresholds = suite.get("settings", {}).get("draft_thresholds") or {}
     out = []
     for name, per in suite.get("by_kind", {}).items():
         if not name.startswith(kind + "-"):
@@ -59,7 +61,8 @@ def _suite_rows(suite: dict, kind: str) -> list:
             if not isinstance(v, dict):      # the variant's overall geometric mean
                 continue
             runs = [r[name] for r in suite.get("runs", []) if r.get("kind") == cat and name in r]
-            out.append((name, cat, v["tau"], v.get("decode_speedup"),
+            variant = name.rsplit("-", 1)[0]          # "eagle3-chain" of "eagle3-chain-sharp"
+            out.append((name, cat, thresholds.get(variant), v["tau"], v.get("decode_speedup"),
                         sum(bool(r.get("identical_to_ar")) for r in runs), len(runs)))
     return out
 
@@ -145,10 +148,11 @@ def render(folder, *, suite: Optional[str] = None, note: str = "") -> str:
                       f"{bench.get('settings', {}).get('max_new_tokens')} new tokens, "
                       "speedup against target-only decoding on the same runtime; identical: "
                       "runs whose output equals target-only output token for token):", "",
-                      "| variant | category | tau | decode speedup | identical |",
-                      "|---|---|---:|---:|---:|"]
-            lines += [f"| {v} | {c} | {t:.2f} | {'-' if s is None else f'{s:.2f}x'} | "
-                      f"{i}/{n} |" for v, c, t, s, i, n in sorted(rows)]
+                      "| variant | category | draft threshold | tau | decode speedup | "
+                      "identical |", "|---|---|---:|---:|---:|---:|"]
+            lines += [f"| {v} | {c} | {'-' if p is None else f'{p:g}'} | {t:.2f} | "
+                      f"{'-' if s is None else f'{s:.2f}x'} | {i}/{n} |"
+                      for v, c, p, t, s, i, n in sorted(rows, key=lambda r: r[:2])]
     lines += ["", "## Files", "",
               "`config.json` (configuration), `model.safetensors` (weights), `training.json` "
               "(command, arguments, target provenance, data sizes, every held-out evaluation), "
