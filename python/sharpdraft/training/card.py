@@ -148,8 +148,8 @@ def render(folder, *, suite: Optional[str] = None, note: str = "") -> str:
                       f"{bench.get('settings', {}).get('max_new_tokens')} new tokens, "
                       "speedup against target-only decoding on the same runtime; identical: "
                       "runs whose output equals target-only output token for token):", "",
-                      "| variant | category | draft threshold | tau | decode speedup | "
-                      "identical |", "|---|---|---:|---:|---:|---:|"]
+                      "| variant | category | draft threshold | tau | decode speedup | identical |",
+                      "|---|---|---:|---:|---:|---:|"]
             lines += [f"| {v} | {c} | {'-' if p is None else f'{p:g}'} | {t:.2f} | "
                       f"{'-' if s is None else f'{s:.2f}x'} | {i}/{n} |"
                       for v, c, p, t, s, i, n in sorted(rows, key=lambda r: r[:2])]
