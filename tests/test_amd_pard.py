@@ -541,6 +541,8 @@ def test_another_vocabulary_than_the_target(tmp_path, targets):
     (lambda c: c.update(sharpdraft=[4]), r"sharpdraft must be an object of num_draft_tokens"),
     (lambda c: c.update(train_context=0), r"train_context must be an integer >= 1, got 0"),
     (lambda c: c.update(sharp_slopes=0.2), r"sharp_slopes must be a list, got 0\.2"),
+    (lambda c: c.update(draft_threshold=-0.1),
+     r"draft_threshold must be a number in \[0, 1\], got -0\.1"),
 ])
 def test_invalid_config_fields(tmp_path, change, message):
     cfg = public_config("qwen3")

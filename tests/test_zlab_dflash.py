@@ -392,6 +392,8 @@ def test_target_mismatches_name_the_field(tmp_path, target):
     (lambda c: c.update(layer_types=["full_attention"]), "layer_types"),
     (lambda c: c.update(layer_types=["full_attention", "sliding_attention"]), "sliding_window"),
     (lambda c: c["dflash_config"].update(target_layer_ids="0,2"), "target_layer_ids"),
+    (lambda c: c.update(draft_threshold=1.5),
+     r"draft_threshold must be a number in \[0, 1\], got 1.5"),
 ])
 def test_invalid_config_fields(tmp_path, change, field):
     cfg = public_config()

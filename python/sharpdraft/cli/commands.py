@@ -43,9 +43,8 @@ import torch
 from ..data.sources import KJV_TASK, kjv_passage
 from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..drafters.loading import N_REF_SOURCES
-from ..eval.bench import seq_rep
 from ..inference import generate, prompt_ids
-from ..inference.engine import GenerationResult, check_context
+from ..inference.engine import GenerationResult, check_context, seq_rep
 from ..target.loading import load_target
 from .parser import DTYPES, drafter_kind, leaf, parse, parser
 

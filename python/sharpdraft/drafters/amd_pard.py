@@ -39,8 +39,9 @@ drafter, "fixed_slope" SharpDraft (n_ref: `config.train_context`).
 
 SharpDraft's extensions to config.json (read, and written by `save`), as in the other public
 adapters (`drafters.zlab_dflash`, `drafters.specforge_eagle3`): at the top level `train_context`
-(the training context, SharpDraft's default n_ref; default 2048 when absent) and `sharp_slopes`
-(calibrated slopes, as `sharpdraft analyze calibrate` writes them); inference options in one
+(the training context, SharpDraft's default n_ref; default 2048 when absent), `sharp_slopes`
+(calibrated slopes, as `sharpdraft analyze calibrate` writes them) and `draft_threshold` (chain
+drafting's measured default, in [0, 1]; 0 when absent); inference options in one
 object `"sharpdraft": {"num_draft_tokens": K, "target_vocab_size": N}`: num_draft_tokens (K,
 drafts per step; default 8, PARD's `para_num`; always written) and target_vocab_size (a target
 vocabulary that differs from vocab_size by padding only; written only when set). Any other key
@@ -62,10 +63,11 @@ from transformers.activations import ACT2FN
 
 from ..attention import SharpConfig, register
 from ..target.kv_cache import CACHE_KWARG
-from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError
+from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, check_draft_threshold
 from .pard import PARDDrafter, PARDSession
-from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index, weights_dtype)
+from .public_files import (DRAFT_THRESHOLD_KEY, check_tensors, is_int, read_draft_threshold,
+                           read_public_config, read_weights, save_folder, weight_index,
+                           weights_dtype)
 
 # model_type -> the architecture class name a public checkpoint of that family declares
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -78,7 +80,7 @@ EXTRAS_KEY = "sharpdraft"                         # our drafting options in conf
 # keys of the "sharpdraft" object (each an AMDPARDConfig field of the same name)
 DRAFTING_OPTIONS = ("num_draft_tokens", "target_vocab_size")
 # SharpDraft's own keys in config.json (top level)
-EXTENSION_KEYS = ("train_context", "sharp_slopes", EXTRAS_KEY)
+EXTENSION_KEYS = ("train_context", "sharp_slopes", DRAFT_THRESHOLD_KEY, EXTRAS_KEY)
 _REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
              "vocab_size")
 # config.json keys that describe the file or our kind, not the family's modules
@@ -115,7 +117,9 @@ class AMDPARDConfig:
     (an inference option; PARD trains with para_num 8, vLLM takes num_speculative_tokens from the
     user). train_context_length: the training context when recorded (config.json's
     `train_context`; SharpDraft's n_ref, see `train_context` and `records_train_context`).
-    sharp_slopes: calibrated SharpDraft slopes. target_vocab_size: the target
+    sharp_slopes: calibrated SharpDraft slopes. draft_threshold: chain drafting's measured
+    default (config.json's `draft_threshold`; 0: every draft verified). target_vocab_size: the
+    target
     vocabulary size this drafter is declared to serve when it differs from vocab_size by padding
     only (e.g. PARD-Qwen2.5-0.5B's 151936 rows for Qwen2.5-7B's 152064); None: vocab_size.
 
@@ -129,6 +133,7 @@ class AMDPARDConfig:
     train_context_length: Optional[int] = None
     sharp_slopes: Optional[list] = None
     target_vocab_size: Optional[int] = None
+    draft_threshold: float = 0.0
     _family: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -184,6 +189,7 @@ class AMDPARDConfig:
         if self.sharp_slopes is not None and not isinstance(self.sharp_slopes, list):
             raise ValueError(f"{name}.sharp_slopes must be null or a list, got "
                              f"{self.sharp_slopes!r}")
+        check_draft_threshold(self.draft_threshold, f"{name}.draft_threshold")
         self._family = family
 
     # ----- what the rest of the project reads ---------------------------------------------
@@ -291,6 +297,7 @@ class AMDPARDConfig:
         if slopes is not None and not isinstance(slopes, list):
             raise ValueError(f"{where}: sharp_slopes must be a list, got {json.dumps(slopes)}")
         extra["sharp_slopes"] = slopes
+        extra["draft_threshold"] = read_draft_threshold(raw, where)
         options = raw.get(EXTRAS_KEY)
         if options is None:
             options = {}
@@ -320,8 +327,8 @@ class AMDPARDConfig:
         """The config.json of the public layout (what `from_public` reads back): the public
         fields, architectures, pard_token (and every other mask-id field present, set to it),
         spd_type "pard", and SharpDraft's extensions: train_context (when recorded),
-        sharp_slopes (when calibrated) and "sharpdraft": {num_draft_tokens, target_vocab_size
-        (when set)}."""
+        sharp_slopes (when calibrated), draft_threshold (when measured, > 0) and "sharpdraft":
+        {num_draft_tokens, target_vocab_size (when set)}."""
         out = copy.deepcopy(self.public)
         out["architectures"] = [self.architecture]
         for key in _token_fields(out):
@@ -334,6 +341,8 @@ class AMDPARDConfig:
             out["train_context"] = self.train_context_length
         if self.sharp_slopes is not None:
             out["sharp_slopes"] = self.sharp_slopes
+        if self.draft_threshold:
+            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
         out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS
                            if getattr(self, k) is not None}
         return out
@@ -570,7 +579,8 @@ class AMDPARDDrafter(PARDDrafter):
         LlamaForCausalLM whose layers and final norm are the drafter's, whose embedding is the
         target's with row `pard_token` replaced by the drafter's mask_embedding, and whose LM
         head is the target's (untied, since one embedding row changed); drafts over the full
-        vocabulary. K, train_context, sharp_slopes, `sharp` and `context_window` are carried
+        vocabulary. K, train_context, sharp_slopes, draft_threshold, `sharp` and
+        `context_window` are carried
         over; the weights take the dtype of the drafter's norm. Its drafts equal the drafter's
         as long as `pard_token` never occurs as a real token (choose an unused id, as PARD does:
         a reserved or padding id). `pard_token` None: the tokenizer's mask token
@@ -630,7 +640,8 @@ class AMDPARDDrafter(PARDDrafter):
         config = AMDPARDConfig(public=public, pard_token=int(pard_token),
                                num_draft_tokens=c.num_draft_tokens,
                                train_context_length=c.train_context,
-                               sharp_slopes=c.sharp_slopes)
+                               sharp_slopes=c.sharp_slopes,
+                               draft_threshold=c.draft_threshold)
         dtype = drafter.norm.weight.dtype
         out = cls(config, drafter.sharp).to(device=emb.device, dtype=dtype)
         with torch.no_grad():

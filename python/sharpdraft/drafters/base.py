@@ -107,10 +107,19 @@ def check_config(config, minimums: dict) -> None:
             or not isinstance(config.draft_vocab_size, int) or config.draft_vocab_size < 2):
         raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
                          f"{config.draft_vocab_size}")
-    threshold = getattr(config, "draft_threshold", 0.0)
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not 0.0 <= threshold <= 1.0:
-        raise ValueError(f"{name}.draft_threshold must lie in [0, 1], got {threshold!r}")
+    check_draft_threshold(getattr(config, "draft_threshold", 0.0), f"{name}.draft_threshold")
+
+
+def check_draft_threshold(value, where: str) -> float:
+    """A config's draft threshold (chain drafting's measured default, `default_draft_threshold`)
+    as a float.
+
+    Raises:
+        ValueError naming `where`: not a number in [0, 1].
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{where} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 GEOMETRY_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -434,7 +443,8 @@ class Drafter(nn.Module):
     def default_draft_threshold(self) -> float:
         """Chain drafting's draft threshold when the caller gives none (`sharpdraft.generate`,
         the CLI's --draft-threshold): the config's measured `draft_threshold`, else 0.0 (every
-        draft verified; public layouts carry none)."""
+        draft verified; a public config.json carries it as the top-level `draft_threshold` when
+        our export wrote it, and others have none)."""
         return float(getattr(getattr(self, "config", None), "draft_threshold", 0.0) or 0.0)
 
     @property

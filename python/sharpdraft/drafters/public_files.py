@@ -19,8 +19,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .base import (CONFIG_FILE, WEIGHTS_FILE, ConfigKindError, read_config_json,
-                   read_safetensors_header, weights_problems)
+from .base import (CONFIG_FILE, WEIGHTS_FILE, ConfigKindError, check_draft_threshold,
+                   read_config_json, read_safetensors_header, weights_problems)
 
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
@@ -200,6 +200,22 @@ def save_folder(folder, config: dict, state: Dict[str, torch.Tensor],
     for name in drop:
         (folder / name).unlink(missing_ok=True)
     return folder
+
+
+DRAFT_THRESHOLD_KEY = "draft_threshold"     # SharpDraft's extension, top level of config.json
+
+
+def read_draft_threshold(raw: dict, where) -> float:
+    """A public config.json's top-level `draft_threshold`: chain drafting's measured default
+    (`Drafter.default_draft_threshold`), which our export writes so that an exported drafter
+    drafts as it did before export; 0.0 (every draft verified) when absent or null.
+
+    Raises:
+        ValueError naming `where` and the field: not a number in [0, 1].
+    """
+    value = raw.get(DRAFT_THRESHOLD_KEY)
+    return 0.0 if value is None else check_draft_threshold(
+        value, f"{where}: {DRAFT_THRESHOLD_KEY}")
 
 
 def is_int(v) -> bool:

@@ -90,8 +90,9 @@ from ..attention import SharpConfig
 from .base import (CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, check_config,
                    target_geometry)
 from .eagle3 import Eagle3Config, Eagle3Drafter
-from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index, weights_dtype)
+from .public_files import (DRAFT_THRESHOLD_KEY, check_tensors, is_int, read_draft_threshold,
+                           read_public_config, read_weights, save_folder, weight_index,
+                           weights_dtype)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForge's name)
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
@@ -111,7 +112,8 @@ _READ_KEYS = {"architectures", "model_type", "hidden_size", "intermediate_size",
               "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling",
               "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias", "bias",
               "qkv_bias", "norm_before_residual", "norm_output", "fc_norm", "use_aux_norm",
-              AUX_KEY, "eagle_config", "train_context", "sharp_slopes", EXTRAS_KEY}
+              AUX_KEY, "eagle_config", "train_context", "sharp_slopes", EXTRAS_KEY,
+              DRAFT_THRESHOLD_KEY}
 _EAGLE_READ_KEYS = {AUX_KEY, "use_aux_hidden_state"}
 
 
@@ -410,6 +412,7 @@ class SpecForgeEagle3Config(Eagle3Config):
                    num_features=len(layer_ids) if layer_ids is not None else 3,
                    train_context=train or DEFAULT_TRAIN_CONTEXT,
                    records_train_context=train is not None, sharp_slopes=slopes,
+                   draft_threshold=read_draft_threshold(raw, where),
                    draft_vocab_size=draft_vocab, vocab_size=vocab,
                    norm_features=bool(fc_norm), feed_normed_output=False,
                    rms_norm_eps=get_number("rms_norm_eps", 1e-6), hidden_act=act,
@@ -424,8 +427,9 @@ class SpecForgeEagle3Config(Eagle3Config):
         draft_vocab_size (always written: SGLang borrows the target's LM head when it is absent),
         target_hidden_size, the aux ids at the top level (vLLM, aux numbering) and in
         eagle_config (SGLang / SpecForge, output numbering), fc_norm when norm_features, and our
-        extras: train_context (when recorded), sharp_slopes (when calibrated) and
-        "sharpdraft": {chain_length, tree_topk, tree_depth, tree_tokens}.
+        extras: train_context (when recorded), sharp_slopes (when calibrated), draft_threshold
+        (when measured, > 0) and "sharpdraft": {chain_length, tree_topk, tree_depth,
+        tree_tokens}.
 
         Raises:
             ValueError: the target layers are unresolved (nothing to write for them).
@@ -457,6 +461,8 @@ class SpecForgeEagle3Config(Eagle3Config):
             out["train_context"] = self.train_context
         if self.sharp_slopes is not None:
             out["sharp_slopes"] = self.sharp_slopes
+        if self.draft_threshold:
+            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
         out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS}
         return out
 
@@ -798,7 +804,8 @@ def from_drafter(drafter: Eagle3Drafter, target) -> SpecForgeEagle3Drafter:
         head_dim=c.head_dim, target_hidden_size=c.target_hidden_size,
         target_layer_ids=sorted(ids), train_context=c.train_context,
         records_train_context=True, sharp_slopes=c.sharp_slopes,
-        draft_vocab_size=c.draft_vocab_size, chain_length=c.chain_length,
+        draft_threshold=c.draft_threshold, draft_vocab_size=c.draft_vocab_size,
+        chain_length=c.chain_length,
         tree_topk=c.tree_topk, tree_depth=c.tree_depth, tree_tokens=c.tree_tokens,
         rms_norm_eps=c.rms_norm_eps, hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings,

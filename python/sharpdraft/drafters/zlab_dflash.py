@@ -49,10 +49,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ..attention import SharpConfig, attend
-from .base import (CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter, draw_rows,
-                   feature_layer_problems, state_bytes)
-from .public_files import (check_tensors, is_int, read_public_config, read_weights, save_folder,
-                           weight_index, weights_dtype)
+from .base import (CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter,
+                   check_draft_threshold, draw_rows, feature_layer_problems, state_bytes)
+from .public_files import (DRAFT_THRESHOLD_KEY, check_tensors, is_int, read_draft_threshold,
+                           read_public_config, read_weights, save_folder, weight_index,
+                           weights_dtype)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -65,7 +66,7 @@ _READ_KEYS = {"architectures", "block_size", "num_target_layers", "dflash_config
               "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
               "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
               "tie_word_embeddings", "target_hidden_size", "is_causal", "is_neox_style",
-              "mask_token_id", "train_context", "sharp_slopes"}
+              "mask_token_id", "train_context", "sharp_slopes", DRAFT_THRESHOLD_KEY}
 _DFLASH_READ_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal", "use_swa",
                      "swa_window_size", "attention_sink_bias", "train_context"}
 
@@ -95,7 +96,9 @@ class ZLabDFlashConfig:
     target_hidden_size: width of each target feature (default hidden_size). train_context_length:
     the context length the drafter was trained on when the config records one (`train_context`,
     top level or in dflash_config). sharp_slopes: calibrated SharpDraft slopes (top level, as
-    `sharpdraft analyze calibrate` writes them). block_size_in_dflash_config: where block_size is
+    `sharpdraft analyze calibrate` writes them). draft_threshold: chain drafting's measured
+    default (top level; 0 when absent: every draft verified). block_size_in_dflash_config: where
+    block_size is
     written back. extra / dflash_extra: the other fields of config.json / dflash_config, kept.
     """
 
@@ -123,6 +126,7 @@ class ZLabDFlashConfig:
     tie_word_embeddings: bool = False
     train_context_length: Optional[int] = None
     sharp_slopes: Optional[list] = None
+    draft_threshold: float = 0.0
     block_size_in_dflash_config: bool = False
     extra: dict = field(default_factory=dict)
     dflash_extra: dict = field(default_factory=dict)
@@ -141,6 +145,7 @@ class ZLabDFlashConfig:
             v = getattr(self, f)
             if not is_int(v) or v < lo:
                 raise ValueError(f"{name}.{f} must be an integer >= {lo}, got {v!r}")
+        check_draft_threshold(self.draft_threshold, f"{name}.draft_threshold")
         if self.num_attention_heads % self.num_key_value_heads:
             # (hidden_size need not be heads * head_dim: Qwen3 layers give head_dim apart)
             raise ValueError(f"{name}: num_attention_heads {self.num_attention_heads} is not a "
@@ -328,6 +333,7 @@ class ZLabDFlashConfig:
                    target_hidden_size=raw.get("target_hidden_size"),
                    tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                    train_context_length=train, sharp_slopes=raw.get("sharp_slopes"),
+                   draft_threshold=read_draft_threshold(raw, where),
                    block_size_in_dflash_config=in_dflash,
                    extra={k: v for k, v in raw.items() if k not in _READ_KEYS},
                    dflash_extra={k: v for k, v in dflash.items() if k not in _DFLASH_READ_KEYS})
@@ -364,6 +370,8 @@ class ZLabDFlashConfig:
             out["train_context"] = self.train_context_length
         if self.sharp_slopes is not None:
             out["sharp_slopes"] = self.sharp_slopes
+        if self.draft_threshold:
+            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
         out["dflash_config"] = dflash
         return out
 
@@ -553,6 +561,7 @@ class ZLabDFlashDrafter(Drafter):
             max_position_embeddings=c.max_position_embeddings,
             rope_parameters=dict(c.rope_parameters), target_hidden_size=c.target_hidden_size,
             train_context_length=c.train_context, sharp_slopes=c.sharp_slopes,
+            draft_threshold=c.draft_threshold,
             extra={"model_type": "qwen3", "torch_dtype": "bfloat16"})
         dtype = drafter.fc.weight.dtype
         with torch.device("meta"):

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.metadata
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch
 from tqdm import tqdm
@@ -21,8 +21,8 @@ from tqdm import tqdm
 from .._hashing import sha256_chunks
 from ..data import sources as data
 from ..data.sources import KJV_BOOK, KJV_TASK, kjv_passage  # noqa: F401 (the bench's task)
-from ..inference.engine import (GenerationResult, autoregressive_generate, speculative_generate,
-                                tree_speculative_generate)
+from ..inference.engine import (GenerationResult, autoregressive_generate, seq_rep,
+                                speculative_generate, tree_speculative_generate)
 from .report import figure, save_figure, write_report
 
 
@@ -205,15 +205,6 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
     plot_tau(rows, meta["variants"], out_dir / "tau_vs_context.png")
     plot_kinds(rows, meta["variants"], out_dir / "speedup_by_kind.png")
     return rows
-
-
-def seq_rep(tokens: Sequence[int], n: int = 4) -> float:
-    """seq-rep-n of a generated sequence (Welleck et al. 2019, "Neural Text Generation with
-    Unlikelihood Training"): the share of its n-grams that repeat an earlier one, 1 - unique /
-    total; 0 with fewer than n tokens. Near 0 for ordinary text, towards 1 in a loop (the
-    easiest text to draft, so a bench reports it next to tau)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def _ratio(a: float, b: float):

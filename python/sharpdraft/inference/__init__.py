@@ -7,8 +7,8 @@ Layer: above `target` and `drafters` (it talks to drafters only through the sess
 `drafters.base`); below data, training, eval and the CLI.
 """
 from .decode import generate, prompt_ids
-from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
+from .engine import (GenerationResult, autoregressive_generate, seq_rep, speculative_generate,
                      tree_speculative_generate)
 
 __all__ = ["GenerationResult", "autoregressive_generate", "generate", "prompt_ids",
-           "speculative_generate", "tree_speculative_generate"]
+           "seq_rep", "speculative_generate", "tree_speculative_generate"]

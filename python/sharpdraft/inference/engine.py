@@ -43,7 +43,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -143,6 +143,15 @@ class GenerationResult:
                 "verify_ms_per_step": self._per_step_ms(self.verify_s)}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in out.items()}
+
+
+def seq_rep(tokens: Sequence[int], n: int = 4) -> float:
+    """seq-rep-n of a generated sequence (Welleck et al. 2019, "Neural Text Generation with
+    Unlikelihood Training"): the share of its n-grams that repeat an earlier one, 1 - unique /
+    total; 0 with fewer than n tokens. Near 0 for ordinary text, towards 1 in a loop (the
+    easiest text to draft, so a bench reports it next to tau)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
