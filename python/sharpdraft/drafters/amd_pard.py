@@ -119,9 +119,8 @@ class AMDPARDConfig:
     `train_context`; SharpDraft's n_ref, see `train_context` and `records_train_context`).
     sharp_slopes: calibrated SharpDraft slopes. draft_threshold: chain drafting's measured
     default (config.json's `draft_threshold`; 0: every draft verified). target_vocab_size: the
-    target
-    vocabulary size this drafter is declared to serve when it differs from vocab_size by padding
-    only (e.g. PARD-Qwen2.5-0.5B's 151936 rows for Qwen2.5-7B's 152064); None: vocab_size.
+    target vocabulary size this drafter is declared to serve when it differs from vocab_size by
+    padding only (e.g. PARD-Qwen2.5-0.5B's 151936 rows for Qwen2.5-7B's 152064); None: vocab_size.
 
     Raises (in __post_init__): ValueError naming the class and the field (model_type,
     architectures, a geometry field, pard_token, num_draft_tokens, ...).
@@ -580,12 +579,11 @@ class AMDPARDDrafter(PARDDrafter):
         target's with row `pard_token` replaced by the drafter's mask_embedding, and whose LM
         head is the target's (untied, since one embedding row changed); drafts over the full
         vocabulary. K, train_context, sharp_slopes, draft_threshold, `sharp` and
-        `context_window` are carried
-        over; the weights take the dtype of the drafter's norm. Its drafts equal the drafter's
-        as long as `pard_token` never occurs as a real token (choose an unused id, as PARD does:
-        a reserved or padding id). `pard_token` None: the tokenizer's mask token
-        (`common.default_mask_token_id`), so that `drafters.export` can call it with
-        (drafter, target, tokenizer=...).
+        `context_window` are carried over; the weights take the dtype of the drafter's norm.
+        Its drafts equal the drafter's as long as `pard_token` never occurs as a real token
+        (choose an unused id, as PARD does: a reserved or padding id). `pard_token` None: the
+        tokenizer's mask token (`common.default_mask_token_id`), so that `drafters.export` can
+        call it with (drafter, target, tokenizer=...).
 
         Raises:
             ValueError naming draft_vocab_size: the drafter drafts over a reduced vocabulary
