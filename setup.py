@@ -34,10 +34,25 @@ def _cxx_std():
 CXX_FLAGS = ["-O3", _cxx_std(), "-ffp-contract=fast", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 
 
+def _settings():
+    """python/sharpdraft/settings.py (standard library only), loaded by path: the package is not
+    installed while it builds."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "_sharpdraft_settings", os.path.join(ROOT, "python", "sharpdraft", "settings.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module           # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _cuda_wanted():
-    mode = os.environ.get("SHARPDRAFT_CUDA", "auto").lower()
-    if mode not in ("auto", "0", "1"):
-        raise SystemExit(f"SHARPDRAFT_CUDA must be auto, 0 or 1, got {mode!r}")
+    try:
+        mode = _settings().get("SHARPDRAFT_CUDA")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     if mode == "0":
         return False
     import torch

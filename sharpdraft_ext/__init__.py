@@ -16,6 +16,7 @@ import torch
 
 from . import linear, reference  # noqa: F401
 from ._ops import HAS_CUDA_KERNELS, ops
+from .defaults import DEFAULT_CONTRAST, DEFAULT_N_REF, DEFAULT_SLOPE, DEFAULT_TOPK
 from .linear import (pack_linear_weight, packed_linear, panel_width, quant_linear,  # noqa: F401
                      quant_pack, quant_panel_width, quant_unpack, quantize_activations)
 
@@ -50,8 +51,8 @@ def _check_device(q: torch.Tensor):
 def sharp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     window: Optional[int] = None, attn_mask: Optional[torch.Tensor] = None,
                     kv_lens: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                    mode: str = "fixed_slope", slope: Union[float, torch.Tensor] = 0.2,
-                    n_ref: int = 2048, topk: int = 32, contrast: float = 5.0,
+                    mode: str = "fixed_slope", slope: Union[float, torch.Tensor] = DEFAULT_SLOPE,
+                    n_ref: int = DEFAULT_N_REF, topk: int = DEFAULT_TOPK, contrast: float = DEFAULT_CONTRAST,
                     beta_min: float = 1.0, beta_max: float = _INF,
                     n_visible: Union[int, torch.Tensor, None] = None, return_lse: bool = False):
     """Sharp attention, dense layout (spec §2-§4).
@@ -100,8 +101,8 @@ def sharp_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                            causal: bool = False, window: Optional[int] = None,
                            scale: Optional[float] = None, mode: str = "fixed_slope",
-                           slope: Union[float, torch.Tensor] = 0.2, n_ref: int = 2048,
-                           topk: int = 32, contrast: float = 5.0, beta_min: float = 1.0,
+                           slope: Union[float, torch.Tensor] = DEFAULT_SLOPE, n_ref: int = DEFAULT_N_REF,
+                           topk: int = DEFAULT_TOPK, contrast: float = DEFAULT_CONTRAST, beta_min: float = 1.0,
                            beta_max: float = _INF, n_visible: Union[int, torch.Tensor, None] = None,
                            return_lse: bool = False):
     """Sharp attention over packed variable-length sequences (spec §4).
@@ -151,8 +152,8 @@ def visible_counts(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False,
 
 
 def query_scale(n: torch.Tensor, *, mode: str = "fixed_slope",
-                slope: Union[float, torch.Tensor] = 0.2, n_ref: int = 2048, topk: int = 32,
-                contrast: float = 5.0, beta_min: float = 1.0,
+                slope: Union[float, torch.Tensor] = DEFAULT_SLOPE, n_ref: int = DEFAULT_N_REF, topk: int = DEFAULT_TOPK,
+                contrast: float = DEFAULT_CONTRAST, beta_min: float = 1.0,
                 beta_max: float = _INF) -> torch.Tensor:
     """beta(n) elementwise, clamped to [beta_min, beta_max] (spec §1, §3), as the kernel computes it.
 

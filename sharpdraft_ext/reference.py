@@ -30,6 +30,8 @@ from typing import Optional, Union
 
 import torch
 
+from .defaults import DEFAULT_CONTRAST, DEFAULT_N_REF, DEFAULT_SLOPE, DEFAULT_TOPK
+
 __all__ = [
     "sharp_attention_ref",
     "sharp_attention_varlen_ref",
@@ -61,10 +63,10 @@ def _check_beta_bounds(beta_min: float, beta_max: float) -> None:
 def query_scale_ref(
     n,
     mode: str = "fixed_slope",
-    slope: SlopeLike = 0.2,
-    n_ref: int = 2048,
-    topk: int = 32,
-    contrast: float = 5.0,
+    slope: SlopeLike = DEFAULT_SLOPE,
+    n_ref: int = DEFAULT_N_REF,
+    topk: int = DEFAULT_TOPK,
+    contrast: float = DEFAULT_CONTRAST,
     beta_min: float = 1.0,
     beta_max: float = float("inf"),
 ) -> torch.Tensor:
@@ -246,10 +248,10 @@ def sharp_attention_ref(
     kv_lens: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     mode: str = "fixed_slope",
-    slope: SlopeLike = 0.2,
-    n_ref: int = 2048,
-    topk: int = 32,
-    contrast: float = 5.0,
+    slope: SlopeLike = DEFAULT_SLOPE,
+    n_ref: int = DEFAULT_N_REF,
+    topk: int = DEFAULT_TOPK,
+    contrast: float = DEFAULT_CONTRAST,
     beta_min: float = 1.0,
     beta_max: float = float("inf"),
     n_visible=None,
@@ -332,10 +334,10 @@ def sharp_attention_varlen_ref(
     window: Optional[int] = None,
     scale: Optional[float] = None,
     mode: str = "fixed_slope",
-    slope: SlopeLike = 0.2,
-    n_ref: int = 2048,
-    topk: int = 32,
-    contrast: float = 5.0,
+    slope: SlopeLike = DEFAULT_SLOPE,
+    n_ref: int = DEFAULT_N_REF,
+    topk: int = DEFAULT_TOPK,
+    contrast: float = DEFAULT_CONTRAST,
     beta_min: float = 1.0,
     beta_max: float = float("inf"),
     n_visible=None,

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 import sharpdraft_ext as ext
+from sharpdraft_ext.defaults import DEFAULT_CONTRAST, DEFAULT_N_REF, DEFAULT_SLOPE, DEFAULT_TOPK
 
 MODES = ("none", "fixed_slope", "exact_topk")
 
@@ -44,10 +45,10 @@ class SharpConfig:
     """
 
     mode: str = "fixed_slope"
-    slope: float = 0.2
-    n_ref: int = 2048
-    topk: int = 32
-    contrast: float = 5.0
+    slope: float = DEFAULT_SLOPE
+    n_ref: int = DEFAULT_N_REF
+    topk: int = DEFAULT_TOPK
+    contrast: float = DEFAULT_CONTRAST
     beta_min: float = 1.0
     beta_max: float = math.inf
     layer_slopes: Optional[list] = None

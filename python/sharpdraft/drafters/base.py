@@ -37,13 +37,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
 
+from sharpdraft_ext.defaults import DEFAULT_N_REF
+
 from ..target.kv_cache import PreallocatedCache
 from ..target.linears import as_packed, plan_linears
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # SharpDraft's n_ref for a public checkpoint whose config records no training length
-DEFAULT_TRAIN_CONTEXT = 2048
+DEFAULT_TRAIN_CONTEXT = DEFAULT_N_REF
 
 
 def target_geometry(target_config) -> dict:

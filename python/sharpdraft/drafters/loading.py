@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
+from sharpdraft_ext.defaults import DEFAULT_SLOPE
 
 from ..attention import SharpConfig
 from . import registry
 from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
-DEFAULT_SLOPE = 0.2
 
 
 def shipped_checkpoint(kind: str) -> Optional[Path]:

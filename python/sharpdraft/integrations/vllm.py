@@ -47,14 +47,14 @@ from typing import Callable, Mapping, Optional
 import torch
 
 import sharpdraft_ext as ext
-from sharpdraft.attention import MODES
+from sharpdraft_ext.defaults import DEFAULT_SLOPE
+from sharpdraft import settings
 from sharpdraft.drafters.base import DEFAULT_TRAIN_CONTEXT
 
 ENV_MODE = "SHARPDRAFT_VLLM_MODE"
 ENV_SLOPE = "SHARPDRAFT_VLLM_SLOPE"
 ENV_N_REF = "SHARPDRAFT_VLLM_N_REF"
 OFF = "off"
-DEFAULT_SLOPE = 0.2
 
 logger = logging.getLogger("vllm.sharpdraft")     # a child of vLLM's logger: printed with it
 
@@ -74,41 +74,24 @@ class PluginSettings:
 
 
 def settings_from_env(environ: Mapping[str, str] = os.environ) -> Optional[PluginSettings]:
-    """The plugin's settings from SHARPDRAFT_VLLM_MODE / _SLOPE / _N_REF; None when the mode is
-    unset, empty or "off" (the plugin then changes nothing).
+    """The plugin's settings from SHARPDRAFT_VLLM_MODE / _SLOPE / _N_REF (declared and parsed
+    in `sharpdraft.settings`); None when the mode is unset, empty or "off" (the plugin then
+    changes nothing).
 
     Raises:
         ValueError naming the variable: an unknown mode, a slope that is not a finite number, an
         n_ref that is not an integer >= 1, or a slope / n_ref set while the plugin is off.
     """
-    mode = environ.get(ENV_MODE, "").strip().lower()
-    slope_raw = environ.get(ENV_SLOPE, "").strip()
-    n_ref_raw = environ.get(ENV_N_REF, "").strip()
-    if mode in ("", OFF):
-        for name, raw in ((ENV_SLOPE, slope_raw), (ENV_N_REF, n_ref_raw)):
-            if raw:
-                raise ValueError(f"{name}={raw} is set but {ENV_MODE} is not: set {ENV_MODE}="
-                                 f"fixed_slope (or none / exact_topk) to switch SharpDraft on")
+    mode = settings.get(ENV_MODE, environ)
+    slope = settings.get(ENV_SLOPE, environ)
+    n_ref = settings.get(ENV_N_REF, environ)
+    if mode == OFF:
+        for name, value in ((ENV_SLOPE, slope), (ENV_N_REF, n_ref)):
+            if value is not None:
+                raise ValueError(f"{name}={environ[name].strip()} is set but {ENV_MODE} is not: "
+                                 f"set {ENV_MODE}=fixed_slope (or none / exact_topk) to switch "
+                                 f"SharpDraft on")
         return None
-    if mode not in MODES:
-        raise ValueError(f"{ENV_MODE}={environ.get(ENV_MODE)!r}: must be one of "
-                         f"{(OFF,) + MODES}")
-    slope = None
-    if slope_raw:
-        try:
-            slope = float(slope_raw)
-        except ValueError:
-            slope = math.nan
-        if not math.isfinite(slope):
-            raise ValueError(f"{ENV_SLOPE}={slope_raw!r}: the slope must be a finite number")
-    n_ref = None
-    if n_ref_raw:
-        try:
-            n_ref = int(n_ref_raw)
-        except ValueError:
-            n_ref = 0
-        if n_ref < 1:
-            raise ValueError(f"{ENV_N_REF}={n_ref_raw!r}: n_ref must be an integer >= 1")
     return PluginSettings(mode=mode, slope=slope, n_ref=n_ref)
 
 

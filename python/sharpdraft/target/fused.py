@@ -14,7 +14,6 @@ the packed panel width. SHARPDRAFT_FUSED_LAYERS=0 turns it off (to measure again
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -22,6 +21,7 @@ import sharpdraft_ext as ext
 import torch
 from torch import nn
 
+from .. import settings
 from .quantized import QuantLinear
 
 _QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
@@ -62,7 +62,7 @@ def _fuse(mods) -> Optional[torch.Tensor]:
 def fused_layers(model: nn.Module) -> Optional[FusedLayers]:
     """The `llama_layers` arguments of `model`, or None when it does not qualify (see the
     module docstring) or SHARPDRAFT_FUSED_LAYERS=0."""
-    if os.environ.get("SHARPDRAFT_FUSED_LAYERS", "1") == "0":
+    if not settings.get("SHARPDRAFT_FUSED_LAYERS"):
         return None
     cfg = model.config
     if (cfg.model_type != "llama" or getattr(cfg, "attention_bias", False)

@@ -4,7 +4,6 @@ weight and sharpdraft_ext's panel kernel, as measured on this machine."""
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from typing import Dict, Optional, Sequence
 
@@ -12,6 +11,8 @@ import sharpdraft_ext as ext
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import settings
 
 _PACK_ROWS = 16          # oneDNN picks its blocking for this many rows (verification sizes)
 
@@ -47,21 +48,20 @@ PANEL_MAX_ROWS = ROW_REGIMES[-1][0]
 
 
 def linear_paths() -> tuple:
-    """The paths `prepare_target` may choose from: all of `LINEAR_PATHS`, or those listed in
-    the environment variable SHARPDRAFT_LINEAR_PATHS (comma-separated, e.g. "dense,onednn" to
-    compare against the runtime without the panel kernel).
+    """The paths the runtime's linear plan may choose from: all of `LINEAR_PATHS`, or those
+    listed in SHARPDRAFT_LINEAR_PATHS (`sharpdraft.settings`; comma-separated, e.g.
+    "dense,onednn" to compare against the runtime without the panel kernel).
 
     Raises:
         ValueError naming SHARPDRAFT_LINEAR_PATHS: an unknown path or none at all.
     """
-    raw = os.environ.get("SHARPDRAFT_LINEAR_PATHS")
-    if raw is None:
+    paths = settings.get("SHARPDRAFT_LINEAR_PATHS")
+    if paths is None:
         return LINEAR_PATHS
-    paths = tuple(p.strip() for p in raw.split(",") if p.strip())
     bad = [p for p in paths if p not in LINEAR_PATHS]
-    if bad or not paths:
-        raise ValueError(f"SHARPDRAFT_LINEAR_PATHS={raw!r}: give a comma-separated subset of "
-                         f"{', '.join(LINEAR_PATHS)}")
+    if bad:
+        raise ValueError(f"SHARPDRAFT_LINEAR_PATHS: {', '.join(bad)} is not a path; give a "
+                         f"comma-separated subset of {', '.join(LINEAR_PATHS)}")
     return paths
 
 

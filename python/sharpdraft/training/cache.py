@@ -413,7 +413,7 @@ def _with_autocast(meta: dict, autocast) -> dict:
 
 
 def _cache_folder(meta: dict, home: Optional[Path]) -> Path:
-    from ..target.loading import sharpdraft_home
+    from ..settings import sharpdraft_home
 
     return (home or sharpdraft_home()) / "train_cache" / cache_key(meta)
 
