@@ -47,6 +47,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..target.logits import RowLogits
 from ..target.quantized import is_quantised
 from ..target.runtime import TargetRuntime, prepare_drafter
 from .sampling import probabilities, sample_next
@@ -299,14 +300,17 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
             temperature: float, generator) -> List[int]:
     """Accept a prefix of `drafts` against target logits; returns the committed tokens.
 
-    p_logits: (len(drafts) + 1, vocab), row j the target's logits for the slot of drafts[j]
-    (the last row gives the bonus token). q_probs: (len(drafts), vocab) drafter probabilities
-    (None at temperature 0). Greedy acceptance is one vectorised comparison (one host sync).
+    p_logits: (len(drafts) + 1, vocab) logits, a tensor or a `RowLogits` (rows computed as
+    they are read), row j the target's for the slot of drafts[j] (the last row gives the bonus
+    token); rows past the first rejection are never read. q_probs: (len(drafts), vocab) drafter
+    probabilities (None at temperature 0).
     """
     if temperature == 0:
-        best = p_logits.argmax(-1).tolist()
-        n = next((j for j, d in enumerate(drafts) if best[j] != d), len(drafts))
-        return list(drafts[:n]) + [best[n]]
+        for j, d in enumerate(drafts):
+            best = int(p_logits[j].argmax())
+            if best != d:
+                return list(drafts[:j]) + [best]
+        return list(drafts) + [int(p_logits[len(drafts)].argmax())]
     out: List[int] = []
     for j, d in enumerate(drafts):
         p = probabilities(p_logits[j], temperature)
@@ -427,8 +431,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
 def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> tuple:
     """Walk a draft tree against target logits; returns (accepted node indices, committed tokens).
 
-    p_logits: (1 + N, vocab); row 0 is the target's distribution after the root (the last
-    committed token), row 1 + i after node i. Greedy: descend into the child equal to the
+    p_logits: (1 + N, vocab), a tensor or a `RowLogits`; row 0 is the target's distribution
+    after the root (the last committed token), row 1 + i after node i. A `RowLogits` computes
+    each node's row together with its children's (the only rows read next). Greedy: descend into the child equal to the
     target's argmax while one exists. Sampling: recursive rejection over the children, each a
     fixed (point-mass) proposal: child x is accepted with probability p(x); on rejection p
     becomes norm(p with x set to 0) and the next sibling is tried; after the last sibling a token
@@ -437,8 +442,9 @@ def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> 
     """
     path, out, node = [], [], -1
     while True:
-        row = p_logits[node + 1]
         kids = tree.children(node)
+        row = (p_logits.row(node + 1, with_rows=[1 + c for c in kids])
+               if isinstance(p_logits, RowLogits) else p_logits[node + 1])
         if temperature == 0:
             best = int(row.argmax())
             nxt = next((c for c in kids if tree.tokens[c] == best), None)
