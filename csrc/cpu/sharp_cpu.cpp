@@ -18,6 +18,7 @@ namespace {
 struct Isa {
   TileFn fn;
   const char* name;
+  int64_t row_align;  // floats per vector of the tile kernel: a tile's rows are padded to it
 };
 
 int select_level() {
@@ -35,8 +36,9 @@ int select_level() {
 }
 
 const Isa& isa() {
-  static const Isa table[3] = {{attend_tile_base, "base"}, {attend_tile_avx2, "avx2"},
-                               {attend_tile_avx512, "avx512"}};
+  static const Isa table[3] = {{attend_tile_base, "base", kTileVecBase},
+                               {attend_tile_avx2, "avx2", kTileVecAvx2},
+                               {attend_tile_avx512, "avx512", kTileVecAvx512}};
   return table[isa_level()];
 }
 
@@ -279,7 +281,10 @@ void run_dynamic(int64_t n, int num_threads, const ParallelFor& pf, int64_t dp, 
 void run_item(const SharpParams& p, const WorkItem& w, const int64_t* counts,
               const int64_t* bounds, int64_t nb, Scratch& sc, float* ws_out, float* ws_lse) {
   const int64_t D = p.head_dim, Dp = (D + 15) / 16 * 16;
-  const int64_t Rp = (w.rows + 15) / 16 * 16;
+  // rows padded to one vector of the kernel's lanes (a decode step's 3 rows of a 9/3-head
+  // model: 8 lanes on AVX2, not 16); the lanes are independent, so a row's bits do not depend
+  // on the padding
+  const int64_t align = isa().row_align, Rp = (w.rows + align - 1) / align * align;
   const int64_t eb = elem_bytes(p.dtype);
   TileTask t;
   t.rows = static_cast<int>(w.rows);

@@ -41,7 +41,7 @@ constexpr int kMaxHeadDim = 256;
 // Per-row arrays have rows_padded entries; padding rows have lo = hi = 0 (see nothing).
 struct TileTask {
   int rows = 0;
-  int rows_padded = 0;          // rows rounded up to a multiple of 16
+  int rows_padded = 0;          // rows rounded up to a multiple of the ISA's vector width
   int64_t head_dim = 0;
   int64_t dim_padded = 0;       // head_dim rounded up to a multiple of 16; acc row stride
   const float* qt = nullptr;    // (head_dim, rows_padded): q^T times c_i = beta_i * scale, zero padded
@@ -79,6 +79,9 @@ constexpr int kExactSpan = 1024;  // most keys a two-pass (exact) tile spans
 constexpr int64_t tile_scratch_floats() {
   return 2 * int64_t(kKeyBlock) * kMaxHeadDim + int64_t(kExactSpan) * kMaxTileRows;
 }
+
+// Floats per vector of each ISA's tile kernel (SHARP_VEC_WIDTH of tile_<isa>.cpp).
+constexpr int kTileVecBase = 4, kTileVecAvx2 = 8, kTileVecAvx512 = 16;
 
 using TileFn = void (*)(const TileTask&);
 void attend_tile_base(const TileTask&);

@@ -8,6 +8,8 @@
 namespace sharpdraft {
 namespace cpu {
 
+static_assert(isa_avx2::VW == kTileVecAvx2, "the driver pads rows to kTileVecAvx2");
+
 void attend_tile_avx2(const TileTask& t) {
   switch (t.head_dim) {
     case 64: isa_avx2::attend<64>(t); break;

@@ -8,6 +8,8 @@
 namespace sharpdraft {
 namespace cpu {
 
+static_assert(isa_avx512::VW == kTileVecAvx512, "the driver pads rows to kTileVecAvx512");
+
 void attend_tile_avx512(const TileTask& t) {
   switch (t.head_dim) {
     case 64: isa_avx512::attend<64>(t); break;

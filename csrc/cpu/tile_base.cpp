@@ -8,6 +8,8 @@
 namespace sharpdraft {
 namespace cpu {
 
+static_assert(isa_base::VW == kTileVecBase, "the driver pads rows to kTileVecBase");
+
 void attend_tile_base(const TileTask& t) {
   switch (t.head_dim) {
     case 64: isa_base::attend<64>(t); break;
