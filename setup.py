@@ -55,10 +55,12 @@ def _cuda_wanted():
 
 
 def _extensions():
-    cpu_sources = ["csrc/ops.cpp", "csrc/decoder_cpu.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cpu_sources = (["csrc/attention/ops.cpp"] + sorted(glob.glob("csrc/attention/cpu/*.cpp"))
+                   + sorted(glob.glob("csrc/cpu_runtime/*.cpp")))
     exts = [CppExtension("sharpdraft_ext._C", cpu_sources, include_dirs=[os.path.join(ROOT, "csrc")],
                          extra_compile_args={"cxx": CXX_FLAGS})]
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    cuda_sources = sorted(glob.glob("csrc/attention/cuda/*.cu")) + sorted(
+        glob.glob("csrc/attention/cuda/*.cpp"))
     if cuda_sources and _cuda_wanted():
         from torch.utils.cpp_extension import CUDAExtension
 

@@ -42,7 +42,7 @@ for c in "${CUDA_HOME:-}" /usr/local/cuda \
     break
   fi
 done
-if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
+if [[ -n "$NVCC" ]] && compgen -G "csrc/attention/cuda/*.cu" >/dev/null; then
   build_cuda=$([[ "${SHARPDRAFT_SKIP_CUDA_BUILD:-0}" != 1 ]] && echo 1 || echo 0)
   if [[ $build_cuda == 1 ]]; then
     # the CUDA torch's environment (several GB copied from disk) installs while the

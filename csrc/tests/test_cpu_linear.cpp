@@ -1,13 +1,13 @@
-// The torch-free CPU linear layer (csrc/cpu/linear_cpu.h) against a float64 x W^T + b written
-// here, for row counts on both sides of the register block, widths that are and are not a
-// multiple of the panel width, strided x and y, with and without bias, serial and on 2 threads.
+// The torch-free CPU linear layer (csrc/cpu_runtime/linear_cpu.h) against a float64 x W^T + b
+// written here, for row counts on both sides of the register block, widths that are and are not
+// a multiple of the panel width, strided x and y, with and without bias, serial and on 2 threads.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "check.h"
-#include "cpu/linear_cpu.h"
+#include "cpu_runtime/linear_cpu.h"
 
 using namespace sharpdraft;
 
