@@ -56,7 +56,8 @@ def _cuda_wanted():
 
 def _extensions():
     cpu_sources = (["csrc/attention/ops.cpp"] + sorted(glob.glob("csrc/attention/cpu/*.cpp"))
-                   + sorted(glob.glob("csrc/cpu_runtime/*.cpp")))
+                   + sorted(glob.glob("csrc/cpu_runtime/*.cpp"))
+                   + sorted(glob.glob("csrc/common/*.cpp")))
     exts = [CppExtension("sharpdraft_ext._C", cpu_sources, include_dirs=[os.path.join(ROOT, "csrc")],
                          extra_compile_args={"cxx": CXX_FLAGS})]
     cuda_sources = sorted(glob.glob("csrc/attention/cuda/*.cu")) + sorted(

@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "common/cpu_features.h"
+
 namespace sharpdraft {
 namespace cpu {
 namespace {
@@ -13,7 +15,7 @@ struct PanelIsa {
   int64_t width;
 };
 
-const PanelIsa& panel_isa() {  // the same instruction set as the attention tile kernel
+const PanelIsa& panel_isa() {  // common/cpu_features.h's level, as the attention tile kernel
   static const PanelIsa table[3] = {{panel_base, kPanelWidthBase},
                                     {panel_avx2, kPanelWidthAvx2},
                                     {panel_avx512, kPanelWidthAvx512}};

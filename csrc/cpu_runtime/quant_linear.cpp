@@ -8,6 +8,8 @@
 #include <cstring>
 #include <vector>
 
+#include "common/cpu_features.h"
+
 namespace sharpdraft {
 namespace cpu {
 namespace {
@@ -66,7 +68,7 @@ struct QuantIsa {
   const char* name;
 };
 
-const QuantIsa& quant_isa() {  // the attention kernel's level; VNNI where present
+const QuantIsa& quant_isa() {  // common/cpu_features.h's level; VNNI where present
   static const QuantIsa chosen = [] {
     const int level = isa_level();
     if (level == 2) {

@@ -28,7 +28,7 @@
 
 #include <cstdint>
 
-#include "attention/cpu/sharp_cpu.h"  // ParallelFor
+#include "common/parallel.h"
 
 namespace sharpdraft {
 namespace cpu {

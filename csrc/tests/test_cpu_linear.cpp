@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "check.h"
+#include "common/cpu_features.h"
 #include "cpu_runtime/linear_cpu.h"
 
 using namespace sharpdraft;
@@ -50,7 +51,7 @@ void run_case(int64_t rows, int64_t n, int64_t k, bool bias, bool threads) {
 }  // namespace
 
 int main() {
-  std::printf("test_cpu_linear (isa %s, panel width %lld)\n", cpu::isa_name(),
+  std::printf("test_cpu_linear (isa level %d, panel width %lld)\n", cpu::isa_level(),
               (long long)cpu::panel_width());
   const int64_t width = cpu::panel_width();
   CHECK(cpu::panel_count(width) == 1 && cpu::panel_count(width + 1) == 2);

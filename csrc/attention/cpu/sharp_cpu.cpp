@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "attention/sharp_math.h"
+#include "common/cpu_features.h"
 
 namespace sharpdraft {
 namespace cpu {
@@ -19,20 +19,6 @@ struct Isa {
   TileFn fn;
   const char* name;
 };
-
-int select_level() {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                      __builtin_cpu_supports("avx512dq");
-  // SHARPDRAFT_CPU_ISA=base|avx2 caps the choice (for testing the fallbacks).
-  const char* cap = std::getenv("SHARPDRAFT_CPU_ISA");
-  const int limit = !cap ? 2 : std::strcmp(cap, "base") == 0 ? 0 : std::strcmp(cap, "avx2") == 0 ? 1 : 2;
-  if (avx512 && limit >= 2) return 2;
-  if (avx2 && limit >= 1) return 1;
-  return 0;
-}
 
 const Isa& isa() {
   static const Isa table[3] = {{attend_tile_base, "base"}, {attend_tile_avx2, "avx2"},
@@ -393,11 +379,6 @@ void run_merge(const SharpParams& p, const Plan::Merge& mg, const float* ws_out,
 }
 
 }  // namespace
-
-int isa_level() {
-  static const int level = select_level();
-  return level;
-}
 
 const char* isa_name() { return isa().name; }
 

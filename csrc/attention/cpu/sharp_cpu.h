@@ -7,16 +7,12 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 
 #include "attention/sharp_params.h"
+#include "common/parallel.h"
 
 namespace sharpdraft {
 namespace cpu {
-
-// Runs body(begin, end) over a partition of [0, n); may call body concurrently.
-using ParallelFor =
-    std::function<void(int64_t n, const std::function<void(int64_t, int64_t)>& body)>;
 
 // out = sharp_attention(params); writes params.out and, if non-null, params.lse.
 // parallel_for may be empty (serial); num_threads sizes the split-KV decision.
@@ -27,10 +23,9 @@ void sharp_attention_forward(const SharpParams& params, int num_threads,
 // written like lse: dense (B, Hq, Lq), varlen (Hq, total_q) via params' lse strides.
 void visible_counts(const SharpParams& params, int64_t* counts);
 
-// The instruction set the tile kernel was dispatched to on this machine: "avx512", "avx2", "base".
+// The instruction set the tile kernel was dispatched to on this machine (common/cpu_features.h):
+// "avx512", "avx2", "base".
 const char* isa_name();
-// The same choice as a level: 0 base, 1 avx2, 2 avx512 (the linear layer dispatches on it).
-int isa_level();
 
 // --- internal: the ISA-specific tile kernel -----------------------------------------------
 
