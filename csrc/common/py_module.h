@@ -1,5 +1,6 @@
-// py_module.h: an empty Python module init, so `import sharpdraft_ext._C` (or `._cuda`) loads the
-// shared library and runs its torch.library registrations. The ops live in torch.ops.sharpdraft.
+// py_module.h: an empty Python module init, so `import sharpdraft_ext._C` (or `._cuda`,
+// `._cpu_runtime`) loads the shared library and runs its torch.library registrations. The ops
+// live in torch.ops.sharpdraft (attention) and torch.ops.sharpdraft_cpu_runtime (the runtime's).
 #pragma once
 
 #include <Python.h>

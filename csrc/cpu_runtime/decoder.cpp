@@ -1,4 +1,4 @@
-// decoder_cpu.cpp: a Llama-style decoder stack on quantised weights in one call (CPU), for the 1 to
+// decoder.cpp: a Llama-style decoder stack on quantised weights in one call (CPU), for the 1 to
 // ~96 rows of a decode or verification step, or one row for each of a batch of sequences (batched
 // decoding, `seq_starts`; the corpus generator's loop): per layer RMSNorm, the fused q/k/v
 // projection, rotary embedding, the KV cache write, attention (the sharp kernel with mode none),
@@ -7,17 +7,22 @@
 // around it: one op call a step instead of ~40 a layer from Python (measured: about 30 of a 52 ms
 // decode step of SmolLM2-135M went to Python and small torch ops).
 //
-// Registered in ops.cpp's library as sharpdraft::llama_layers (schema there). Each row's result
+// The CPU kernel of sharpdraft_cpu_runtime::llama_layers (schema in ops.cpp). Each row's result
 // depends on that row and the cache only (the lossless engine relies on it): the small ops are
-// per row and the linear and attention kernels compute each row alone.
+// per row and the linear and attention kernels compute each row alone. The attention is the
+// attention library's op (sharpdraft::sharp_attention, sharpdraft_ext._C), called through the
+// dispatcher: the kernel is not compiled into this extension.
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
 
-#include "attention/api.h"
-#include "attention/cpu/sharp_cpu.h"
+#include "cpu_runtime/api.h"
 #include "cpu_runtime/quant_linear.h"
 
 namespace sharpdraft {
@@ -32,6 +37,28 @@ void linear(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int6
             int64_t n, float* y) {
   cpu::quant_linear(static_cast<cpu::QuantType>(qtype), x, m, k, packed.data_ptr<uint8_t>(), n, k,
                     nullptr, y, n, parallel_panels);
+}
+
+// Plain attention (mode "none") through sharpdraft::sharp_attention's CPU kernel: bottom-right
+// causal without a mask, else the mask; kv_lens limits each batch's keys. Returns out. Called
+// below autograd: the op's autograd formula is Python (sharpdraft_ext/_ops.py) and would take
+// the GIL once a layer, for outputs nothing differentiates.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& attn_mask,
+                     const std::optional<at::Tensor>& kv_lens) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("sharpdraft::sharp_attention", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+              std::optional<int64_t>, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, std::optional<double>, c10::string_view, double,
+              const std::optional<at::Tensor>&, int64_t, int64_t, double, double, double,
+              const std::optional<at::Tensor>&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return std::get<0>(op.call(q, k, v, /*causal=*/!attn_mask.has_value(), std::nullopt, attn_mask,
+                             kv_lens, std::nullopt, "none", 0.0, std::nullopt, 1, 0, 1.0, 1.0,
+                             1.0, std::nullopt));
 }
 
 // RMSNorm and SiLU(gate) * up through the same ATen ops as transformers' LlamaRMSNorm and
@@ -172,11 +199,8 @@ std::vector<at::Tensor> llama_layers_cpu(
     const at::Tensor kv = kc.narrow(2, 0, end), vv = vc.narrow(2, 0, end);
     std::optional<at::Tensor> lens;
     if (batched) lens = kv_lens;
-    Prepared pr = prepare_dense(qv, kv, vv, /*causal=*/!attn_mask.has_value(), std::nullopt,
-                                attn_mask, lens, std::nullopt, "none", 0.0, std::nullopt,
-                                1, 0, 1.0, 1.0, 1.0, std::nullopt);
-    cpu::sharp_attention_forward(pr.params, at::get_num_threads(), parallel_panels);
-    attn.view({m, Hq, D}).copy_(batched ? pr.out.squeeze(2) : pr.out[0].permute({1, 0, 2}));
+    const at::Tensor o = attention(qv, kv, vv, attn_mask, lens);
+    attn.view({m, Hq, D}).copy_(batched ? o.squeeze(2) : o[0].permute({1, 0, 2}));
     linear(attn.data_ptr<float>(), m, nq, o_proj[l], qtypes[4 * l + 1], H, proj.data_ptr<float>());
     x.add_(proj);
     normed = rms_norm(x, post_norm[l], eps);
@@ -191,16 +215,6 @@ std::vector<at::Tensor> llama_layers_cpu(
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(sharpdraft, m) {
-  m.def(
-      "llama_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] key_cache, Tensor[] value_cache, "
-      "int start, Tensor? attn_mask, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, "
-      "Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, int[] qtypes, int num_heads, "
-      "int num_kv_heads, int head_dim, int intermediate_size, float eps, int[] capture, "
-      "Tensor? seq_starts=None) "
-      "-> Tensor[]");
-}
-
-TORCH_LIBRARY_IMPL(sharpdraft, CPU, m) { m.impl("llama_layers", &llama_layers_cpu); }
+TORCH_LIBRARY_IMPL(sharpdraft_cpu_runtime, CPU, m) { m.impl("llama_layers", &llama_layers_cpu); }
 
 }  // namespace sharpdraft

@@ -1,5 +1,6 @@
-"""sharpdraft_ext.linear: the CPU matmuls of the target runtime, for the 1 to ~96 rows of a
-decode or verification step (a prefill's many rows go to torch's GEMMs).
+"""sharpdraft_ext.cpu_runtime: the CPU ops of the target runtime
+(torch.ops.sharpdraft_cpu_runtime, the extension module sharpdraft_ext._cpu_runtime), for the 1
+to ~96 rows of a decode or verification step (a prefill's many rows go to torch's GEMMs).
 
 - float32 weights: `pack_linear_weight` / `packed_linear` (panels of output columns, each weight
   read once per call).
@@ -7,10 +8,12 @@ decode or verification step (a prefill's many rows go to torch's GEMMs).
   gguf-py's quants.py): `quant_pack` / `quant_linear`, int8 activations and integer dot products
   (AVX2 maddubs, AVX-512 VNNI vpdpbusd), as llama.cpp computes them. `quant_unpack` gives the
   float32 weight the packed blocks hold; `quantize_activations` the int8 rows the kernel uses.
+- `llama_layers`: a Llama-style decoder stack on the packed blocks in one call (the attention
+  through the kernel's own op, sharpdraft::sharp_attention).
 
 Packed layouts are this machine's (they follow the instruction set): pack again on another one.
 """
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -154,3 +157,47 @@ def quant_linear(x: torch.Tensor, packed: torch.Tensor, qtype: str, out_features
     """
     ops.check_quant_linear(x, packed, qtype, out_features, bias, quant_panel_width())
     return ops.quant_linear(x, packed, qtype, out_features, bias)
+
+
+def llama_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 key_cache: Sequence[torch.Tensor], value_cache: Sequence[torch.Tensor],
+                 start: int, attn_mask: Optional[torch.Tensor],
+                 input_norm: Sequence[torch.Tensor], post_norm: Sequence[torch.Tensor],
+                 qkv: Sequence[torch.Tensor], o_proj: Sequence[torch.Tensor],
+                 gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                 qtypes: Sequence[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, eps: float, capture: Sequence[int],
+                 seq_starts: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """A Llama-style decoder stack on `quant_pack`ed weights in one call (CPU, float32): per layer
+    RMSNorm, the fused q/k/v projection, rotary embedding, the KV cache write, plain attention
+    (the sharp kernel with mode "none"), the output projection and residual, RMSNorm, the fused
+    gate/up projection, SiLU(gate) * up, the down projection and residual. Each row's result
+    depends on that row and the cache only. `sharpdraft.target.fused` builds the per-layer
+    arguments from a model.
+
+    Args:
+        x: (rows, hidden) float32; cos, sin: (rows, head_dim) float32 rotary tables.
+        key_cache, value_cache: per layer (batch, num_kv_heads, capacity, head_dim) float32,
+            written in place; batch 1, or one per row with `seq_starts`.
+        start: the position of row 0 (the rows are one sequence's, written from `start`).
+        attn_mask: bool, broadcastable to (1, num_heads, rows, start + rows), or None (causal).
+        input_norm, post_norm: per layer RMSNorm weights (hidden,).
+        qkv, o_proj, gate_up, down: per layer contiguous `quant_pack` weights (q/k/v and gate/up
+            side by side), every output width a multiple of `quant_panel_width()`.
+        qtypes: 4 a layer (qkv, o_proj, gate_up, down): 0 q4_0, 1 q4_1, 2 q8_0.
+        num_heads, num_kv_heads, head_dim, intermediate_size, eps: the model's geometry.
+        capture: the hidden states to return besides the output: 0 the input x, i layer i - 1's
+            output.
+        seq_starts: batched decoding: int64 (rows,), row r is the next token of sequence r
+            (batch r of every cache), written at seq_starts[r], seeing keys 0 .. seq_starts[r]
+            (excludes attn_mask).
+
+    Returns:
+        [the last layer's output (rows, hidden)] + the states asked for in `capture`.
+
+    Raises:
+        ValueError naming the argument whose shape, dtype or layout does not fit.
+    """
+    return ops.llama_layers(x, cos, sin, key_cache, value_cache, start, attn_mask, input_norm,
+                            post_norm, qkv, o_proj, gate_up, down, qtypes, num_heads,
+                            num_kv_heads, head_dim, intermediate_size, eps, capture, seq_starts)
