@@ -1,6 +1,7 @@
-"""Builds sharpdraft: the C++ CPU extension always, the CUDA extension when possible.
+"""Builds sharpdraft: the C++ CPU extensions always (the attention kernel `sharpdraft_ext._C`, the
+target runtime's ops `sharpdraft_ext._cpu_runtime`), the CUDA extension when possible.
 
-Install with `pip install --no-build-isolation .` so the extension is compiled against the torch
+Install with `pip install --no-build-isolation .` so the extensions are compiled against the torch
 already installed (build isolation would fetch a different torch and break the ABI).
 
 SHARPDRAFT_CUDA=auto (default) builds `sharpdraft_ext._cuda` when torch has CUDA and nvcc is
@@ -70,10 +71,17 @@ def _cuda_wanted():
 
 
 def _extensions():
-    cpu_sources = ["csrc/ops.cpp", "csrc/decoder_cpu.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    exts = [CppExtension("sharpdraft_ext._C", cpu_sources, include_dirs=[os.path.join(ROOT, "csrc")],
-                         extra_compile_args={"cxx": CXX_FLAGS})]
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    common = sorted(glob.glob("csrc/common/*.cpp"))
+    attention = ["csrc/attention/ops.cpp"] + sorted(glob.glob("csrc/attention/cpu/*.cpp"))
+    # the target runtime's ops: its own library (torch.ops.sharpdraft_cpu_runtime), which calls
+    # the attention op through the dispatcher rather than compiling the kernel again
+    runtime = sorted(glob.glob("csrc/cpu_runtime/*.cpp"))
+    exts = [CppExtension(name, sources + common, include_dirs=[os.path.join(ROOT, "csrc")],
+                         extra_compile_args={"cxx": CXX_FLAGS})
+            for name, sources in (("sharpdraft_ext._C", attention),
+                                  ("sharpdraft_ext._cpu_runtime", runtime))]
+    cuda_sources = sorted(glob.glob("csrc/attention/cuda/*.cu")) + sorted(
+        glob.glob("csrc/attention/cuda/*.cpp"))
     if cuda_sources and _cuda_wanted():
         from torch.utils.cpp_extension import CUDAExtension
 

@@ -65,11 +65,12 @@ def time_ms(fn, min_total_ms=60.0, max_reps=50):
     return start.elapsed_time(end) / reps
 
 
-SMALL_M = 16  # Lq <= SMALL_M runs the one-warp tile (csrc/cuda/sharp_fwd_traits.h kSmallM)
+# Lq <= SMALL_M runs the one-warp tile (csrc/attention/cuda/sharp_fwd_traits.h kSmallM)
+SMALL_M = 16
 
 
-# The switchable prefill tiles (SHARPDRAFT_CUDA_TILE, csrc/cuda/sharp_fwd_launch.cu) and the
-# head dims where each differs from the default.
+# The switchable prefill tiles (SHARPDRAFT_CUDA_TILE, csrc/attention/cuda/sharp_fwd_launch.cu)
+# and the head dims where each differs from the default.
 TILES = {"alt": (64, 128), "wide": (128,)}
 
 
@@ -234,8 +235,8 @@ def write_markdown(results, path, device, elapsed, commit=None, command=None):
         for t in tiles:
             diffs = [r[f"{t}_maxdiff"] for r in results if f"{t}_maxdiff" in r]
             lines += ["", f"`{t} tile`: the same fixed_slope call with SHARPDRAFT_CUDA_TILE={t} "
-                          f"({t.capitalize()}Traits in csrc/cuda/sharp_fwd_traits.h); max "
-                          f"|{t} - default| over the outputs: "
+                          f"({t.capitalize()}Traits in csrc/attention/cuda/sharp_fwd_traits.h); "
+                          f"max |{t} - default| over the outputs: "
                           f"{max(diffs) if diffs else float('nan'):.3g}."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -33,6 +33,7 @@ from sharpdraft.eval.report import figure, write_report
 from sharpdraft.target.loading import load_target
 from sharpdraft.target.linears import ROW_REGIMES
 from sharpdraft.target.runtime import TargetRuntime
+from sharpdraft_ext import cpu_runtime
 
 PATHS = ("dense", "onednn", "panel")
 
@@ -46,11 +47,11 @@ def per_shape(model, rows, repeats):
         g = torch.Generator().manual_seed(n * k)
         ws = [torch.randn(n, k, generator=g) for _ in range(count)]
         packed = {"onednn": [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws],
-                  "panel": [ext.pack_linear_weight(w) for w in ws]}
+                  "panel": [cpu_runtime.pack_linear_weight(w) for w in ws]}
         run = {"dense": lambda x: [F.linear(x, w) for w in ws],
                "onednn": lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                                     for p in packed["onednn"]],
-               "panel": lambda x: [ext.packed_linear(x, p, n) for p in packed["panel"]]}
+               "panel": lambda x: [cpu_runtime.packed_linear(x, p, n) for p in packed["panel"]]}
         for m in rows:
             x = torch.randn(m, k, generator=g)
             times = {p: [] for p in PATHS}
@@ -108,11 +109,12 @@ def main():
     ids = tokenizer(kjv_passage(tokenizer, args.context), return_tensors="pt").input_ids
     forward, plans = whole_forward(model, ids[:, :args.context], args.lengths, args.repeats)
     one = forward[1]["without"] if 1 in forward else None
-    result = {"threads": args.threads, "isa": ext.cpu_isa(), "panel_width": ext.panel_width(),
-              "target": provenance, "per_shape": shapes, "context": args.context,
-              "forward_ms": forward, "plans": plans}
+    result = {"threads": args.threads, "isa": ext.cpu_isa(),
+              "panel_width": cpu_runtime.panel_width(), "target": provenance,
+              "per_shape": shapes, "context": args.context, "forward_ms": forward,
+              "plans": plans}
     lines = [f"CPU linear paths, float32, {args.threads} threads, {ext.cpu_isa()} (panel width "
-             f"{ext.panel_width()}). Per shape: microseconds per call streamed over the "
+             f"{cpu_runtime.panel_width()}). Per shape: microseconds per call streamed over the "
              f"target's weights of that shape (GB/s of weights read), median of "
              f"{args.repeats} passes, paths in turn.", "",
              "| shape | weights | rows | dense us | oneDNN us | panel us | dense GB/s | "

@@ -46,6 +46,7 @@ from sharpdraft.target.kv_cache import CACHE_KWARG
 from sharpdraft.target.loading import default_gguf, load_target
 from sharpdraft.target.quantized import QuantLinear
 from sharpdraft.target.runtime import TargetRuntime
+from sharpdraft_ext import cpu_runtime
 
 QUANTISED = ("gguf", "q8_0", "q4_0")
 DRAFTERS = ("eagle3", "dflash", "pard")
@@ -283,7 +284,7 @@ def main():
                     (lg.argmax(-1) == logits["llama.cpp"].argmax(-1)).float().mean()), 4)
 
     meta = {"new_tokens": n, "rounds": args.rounds, "threads": args.threads,
-            "cpu_isa": ext.cpu_isa(), "quant_isa": ext.linear.quant_isa(),
+            "cpu_isa": ext.cpu_isa(), "quant_isa": cpu_runtime.quant_isa(),
             "prompt_tokens": {t: len(i) for t, i in prompts}, "read_bandwidth_gbs": round(bw, 1),
             "loads": loads, "gguf": str(gguf), "llama_extra_buffers": args.llama_extra_buffers}
     names = [t for t, _ in prompts]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile-only check of every CUDA kernel unit (csrc/cuda/*.cu; torch-free) for sm_80 and
-# sm_90a with warnings as errors. Needs only nvcc. Writes one ptxas resource report per unit
+# Compile-only check of every CUDA kernel unit (csrc/attention/cuda/*.cu; torch-free) for sm_80
+# and sm_90a with warnings as errors. Needs only nvcc. Writes one ptxas resource report per unit
 # and architecture to the directory given as $1 (default build/ptxas) plus a summary, and
 # fails when a unit does not compile, warns, or any kernel spills registers.
 #   scripts/cuda_compile_check.sh [report_dir]      (MAX_JOBS=N runs N compiles at once)
@@ -24,7 +24,7 @@ compile_one() {  # unit arch -> writes $out_dir/<unit>.<arch>.txt, returns nvcc'
 export -f compile_one
 export NVCC out_dir
 
-units=(csrc/cuda/*.cu)
+units=(csrc/attention/cuda/*.cu)
 printf '%s\n' "${archs[@]}" | while read -r arch; do
   for src in "${units[@]}"; do printf '%s %s\n' "$src" "$arch"; done
 done | xargs -P "$jobs" -L 1 bash -c 'compile_one "$0" "$1" || echo "FAILED $0 $1" >>"$out_dir/failures.txt"' || true

@@ -42,7 +42,7 @@ if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-for so in sharpdraft_ext/_C*.so sharpdraft_ext/_cuda*.so; do
+for so in sharpdraft_ext/_C*.so sharpdraft_ext/_cpu_runtime*.so sharpdraft_ext/_cuda*.so; do
   if ! ldd "$so" | grep -q "libstdc++"; then
     echo "gpu_check: $so does not link libstdc++ dynamically (static copy: errors would crash); set CXX"
     exit 1

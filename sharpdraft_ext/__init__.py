@@ -8,22 +8,21 @@ cardinality n_i (the number of keys it can see), inside one fused pass:
 with beta_i = clamp(1 + slope * ln(n_i / n_ref), beta_min, beta_max) ("fixed_slope", spec §1),
 the exact top-k correction ("exact_topk"), or 1 ("none": plain attention, the SDPA baseline).
 
+The target runtime's CPU ops (linear layers, the fused decoder stack) are the subpackage
+`sharpdraft_ext.cpu_runtime`, an extension of their own.
+
 Import torch before this package (the extension links torch's libraries).
 """
 from typing import Optional, Union
 
 import torch
 
-from . import linear, reference  # noqa: F401
+from . import reference  # noqa: F401
 from ._ops import HAS_CUDA_KERNELS, ops
 from .defaults import DEFAULT_CONTRAST, DEFAULT_N_REF, DEFAULT_SLOPE, DEFAULT_TOPK
-from .linear import (pack_linear_weight, packed_linear, panel_width, quant_linear,  # noqa: F401
-                     quant_pack, quant_panel_width, quant_unpack, quantize_activations)
 
 __all__ = ["sharp_attention", "sharp_attention_varlen", "visible_counts", "query_scale",
-           "pack_linear_weight", "packed_linear", "panel_width", "quant_pack", "quant_linear",
-           "quant_unpack", "quantize_activations", "quant_panel_width", "linear", "reference",
-           "cpu_isa", "HAS_CUDA_KERNELS"]
+           "reference", "cpu_isa", "HAS_CUDA_KERNELS"]
 
 _INF = float("inf")
 

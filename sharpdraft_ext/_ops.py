@@ -1,11 +1,12 @@
-"""Loads the compiled extension(s), registers the fake (meta) kernels used by torch.compile and
-the autograd formulas of the ops.
+"""Loads the attention's compiled extension(s), registers the fake (meta) kernels used by
+torch.compile and the autograd formulas of the ops (torch.ops.sharpdraft; the target runtime's
+ops load with `sharpdraft_ext.cpu_runtime`).
 
 The fake kernels check their arguments with the extension's own check ops
-(torch.ops.sharpdraft.check_*: the shape, dtype, device and scalar checks of csrc/api.h, which
-never read tensor values), so a call on fake or meta tensors is rejected exactly where the real
-kernel would reject it; the checks of tensor values (cu_seqlens order, kv_lens range, n_visible
->= 0, finite per-head slopes) run when the real kernel does.
+(torch.ops.sharpdraft.check_*: the shape, dtype, device and scalar checks of
+csrc/attention/api.h, which never read tensor values), so a call on fake or meta tensors is
+rejected exactly where the real kernel would reject it; the checks of tensor values (cu_seqlens
+order, kv_lens range, n_visible >= 0, finite per-head slopes) run when the real kernel does.
 
 Backward (spec §4): the kernels are forward-only; the gradient of every differentiable input
 (q, k, v and a per-head slope tensor) is that of the float64 reference
@@ -64,34 +65,6 @@ def _query_scale_fake(n, mode, slope, slope_per_head, n_ref, topk, contrast, bet
     ops.check_query_scale(n, mode, slope, slope_per_head, n_ref, topk, contrast, beta_min,
                           beta_max)
     return n.new_empty(n.shape, dtype=torch.float32)
-
-
-@torch.library.register_fake("sharpdraft::pack_linear_weight")
-def _pack_linear_weight_fake(weight):
-    ops.check_pack_linear_weight(weight)
-    n, k = weight.shape
-    width = ops.panel_width()
-    return weight.new_empty(((n + width - 1) // width, k, width))
-
-
-@torch.library.register_fake("sharpdraft::packed_linear")
-def _packed_linear_fake(x, packed, out_features, bias):
-    ops.check_packed_linear(x, packed, out_features, bias, ops.panel_width())
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.register_fake("sharpdraft::quant_pack")
-def _quant_pack_fake(blocks, qtype, out_features, in_features):
-    ops.check_quant_pack(blocks, qtype, out_features, in_features)
-    width = ops.quant_panel_width()
-    block = 34 * width if qtype == "q8_0" else 20 * width
-    return blocks.new_empty(((out_features + width - 1) // width, in_features // 32, block))
-
-
-@torch.library.register_fake("sharpdraft::quant_linear")
-def _quant_linear_fake(x, packed, qtype, out_features, bias):
-    ops.check_quant_linear(x, packed, qtype, out_features, bias, ops.quant_panel_width())
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 # ----- autograd -------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""The CPU linear layer for few rows (sharpdraft_ext.pack_linear_weight / packed_linear) against a
-float64 F.linear (spec §6 rule, with float32 F.linear as the torch baseline), its argument
-errors, its fake kernels, each instruction set (in a subprocess: the choice is made once per
-process), and the target runtime's use of it (PackedLinear, plan_linears). Outputs are held to
-the forward error bound of a float32 dot product, whatever the order of summation (so the
-tolerance follows the maths, not one machine's BLAS)."""
+"""The CPU linear layer for few rows (sharpdraft_ext.cpu_runtime.pack_linear_weight /
+packed_linear) against a float64 F.linear (spec §6 rule, with float32 F.linear as the torch
+baseline), its argument errors, its fake kernels, each instruction set (in a subprocess: the
+choice is made once per process), and the target runtime's use of it (PackedLinear,
+plan_linears). Outputs are held to the forward error bound of a float32 dot product, whatever
+the order of summation (so the tolerance follows the maths, not one machine's BLAS)."""
 import os
 import subprocess
 import sys
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sharpdraft_ext as ext
 from sharpdraft.target import linears
 from sharpdraft.target.linears import (LINEAR_PATHS, PANEL_MAX_ROWS, ROW_REGIMES, PackedLinear,
                                        linear_paths, plan_linears)
+from sharpdraft_ext import cpu_runtime as rt
 
 
 def _case(rows, n, k, bias, seed, lead=()):
@@ -46,7 +46,7 @@ def assert_within_dot_bound(out, x, w, b=None):
 
 
 def _check(x, w, b):
-    assert_within_dot_bound(ext.packed_linear(x, ext.pack_linear_weight(w), w.shape[0], b),
+    assert_within_dot_bound(rt.packed_linear(x, rt.pack_linear_weight(w), w.shape[0], b),
                             x, w, b)
 
 
@@ -69,33 +69,33 @@ def test_packed_linear_reads_strided_x_and_an_empty_batch():
     wide = torch.randn(6, 80)
     wide[:, ::2] = x                                   # x as a non-contiguous view
     _check(wide[:, ::2], w, b)
-    packed = ext.pack_linear_weight(w)
-    assert ext.packed_linear(torch.randn(0, 40), packed, 30).shape == (0, 30)
+    packed = rt.pack_linear_weight(w)
+    assert rt.packed_linear(torch.randn(0, 40), packed, 30).shape == (0, 30)
 
 
 def test_pack_linear_weight_layout():
     """Panel p, row kk, column j holds w[p * width + j, kk], zero past out_features."""
     w = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3) + 1
-    width = ext.panel_width()
-    packed = ext.pack_linear_weight(w)
+    width = rt.panel_width()
+    packed = rt.pack_linear_weight(w)
     assert packed.shape == (1, 3, width)
     assert torch.equal(packed[0, :, :5], w.t())
     assert not packed[0, :, 5:].any()
 
 
 @pytest.mark.parametrize("call, arg", [
-    (lambda p: ext.packed_linear(torch.randn(2, 5), p, 4), "x"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6).double(), p, 4), "x"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6), p.double(), 4), "packed"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6), p[..., :-1], 4), "pack the weight again"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6), p, 100), "out_features"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6), p, 4, torch.randn(3)), "bias"),
-    (lambda p: ext.packed_linear(torch.randn(2, 6), p[:0], -3), "packed"),
-    (lambda p: ext.pack_linear_weight(torch.randn(4)), "weight"),
-    (lambda p: ext.pack_linear_weight(torch.randn(4, 6).bfloat16()), "weight"),
+    (lambda p: rt.packed_linear(torch.randn(2, 5), p, 4), "x"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6).double(), p, 4), "x"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6), p.double(), 4), "packed"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6), p[..., :-1], 4), "pack the weight again"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6), p, 100), "out_features"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6), p, 4, torch.randn(3)), "bias"),
+    (lambda p: rt.packed_linear(torch.randn(2, 6), p[:0], -3), "packed"),
+    (lambda p: rt.pack_linear_weight(torch.randn(4)), "weight"),
+    (lambda p: rt.pack_linear_weight(torch.randn(4, 6).bfloat16()), "weight"),
 ])
 def test_bad_arguments_name_the_argument(call, arg):
-    packed = ext.pack_linear_weight(torch.randn(4, 6))
+    packed = rt.pack_linear_weight(torch.randn(4, 6))
     with pytest.raises(ValueError, match=arg):
         call(packed)
 
@@ -103,15 +103,16 @@ def test_bad_arguments_name_the_argument(call, arg):
 def test_fake_kernels_give_shapes_and_run_the_checks():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    width = ext.panel_width()
+    width = rt.panel_width()
+    ops = torch.ops.sharpdraft_cpu_runtime
     with FakeTensorMode():
         w = torch.empty(50, 7)
-        packed = torch.ops.sharpdraft.pack_linear_weight(w)
+        packed = ops.pack_linear_weight(w)
         assert packed.shape == ((50 + width - 1) // width, 7, width)
-        out = torch.ops.sharpdraft.packed_linear(torch.empty(2, 3, 7), packed, 50, None)
+        out = ops.packed_linear(torch.empty(2, 3, 7), packed, 50, None)
         assert out.shape == (2, 3, 50)
         with pytest.raises(ValueError, match="out_features"):
-            torch.ops.sharpdraft.packed_linear(torch.empty(3, 7), packed, 500, None)
+            ops.packed_linear(torch.empty(3, 7), packed, 500, None)
 
 
 @pytest.mark.parametrize("isa", ["base", "avx2"])
@@ -119,14 +120,15 @@ def test_each_instruction_set(isa):
     """The panel kernels of the lower instruction sets (a capped process), where the CPU has
     them, against float64."""
     code = ("import torch, torch.nn.functional as F, sharpdraft_ext as ext\n"
+            "from sharpdraft_ext import cpu_runtime as rt\n"
             "g = torch.Generator().manual_seed(0)\n"
             "w, b, x = torch.randn(50, 33, generator=g), torch.randn(50, generator=g), "
             "torch.randn(9, 33, generator=g)\n"
-            "out = ext.packed_linear(x, ext.pack_linear_weight(w), 50, b).double()\n"
+            "out = rt.packed_linear(x, rt.pack_linear_weight(w), 50, b).double()\n"
             "ref = F.linear(x.double(), w.double(), b.double())\n"
             "mag = F.linear(x.double().abs(), w.double().abs(), b.double().abs())\n"
             "gamma = 34 * 2.0 ** -24 / (1 - 34 * 2.0 ** -24)\n"   # 33 products + the bias
-            "print(ext.cpu_isa(), ext.panel_width(), float(((out - ref).abs() / (gamma * mag))"
+            "print(ext.cpu_isa(), rt.panel_width(), float(((out - ref).abs() / (gamma * mag))"
             ".max()))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, SHARPDRAFT_CPU_ISA=isa), check=True)

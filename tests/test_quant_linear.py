@@ -1,5 +1,5 @@
-"""The quantised CPU linear layer (sharpdraft_ext.linear.quant_pack / quant_linear): GGUF block
-decoding against gguf-py's own dequantisation, the activation quantisation against an
+"""The quantised CPU linear layer (sharpdraft_ext.cpu_runtime.quant_pack / quant_linear): GGUF
+block decoding against gguf-py's own dequantisation, the activation quantisation against an
 independent float32 reference, the kernel against a float64 sum over the same quantised
 weights and activations (tolerance from the block count), row independence (a row's result is
 the same bits whatever the rows beside it), strided inputs, bias, errors, and each instruction
@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import sharpdraft_ext as ext
-from sharpdraft_ext import linear as ql
+from sharpdraft_ext import cpu_runtime as ql
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -211,19 +210,20 @@ def test_fake_kernels_follow_the_checks():
 
     n, k = 16, 64
     blocks, _ = gguf_blocks(n, k, "q4_0", seed=0)
+    ops = torch.ops.sharpdraft_cpu_runtime
     with FakeTensorMode() as mode:
         fb = mode.from_tensor(blocks)
-        packed = torch.ops.sharpdraft.quant_pack(fb, "q4_0", n, k)
+        packed = ops.quant_pack(fb, "q4_0", n, k)
         assert packed.shape == (2 if ql.quant_panel_width() == 8 else 1, 2,
                                 20 * ql.quant_panel_width())
-        y = torch.ops.sharpdraft.quant_linear(torch.empty(3, 5, k), packed, "q4_0", n, None)
+        y = ops.quant_linear(torch.empty(3, 5, k), packed, "q4_0", n, None)
         assert y.shape == (3, 5, n)
         with pytest.raises(ValueError, match="in_features"):
-            torch.ops.sharpdraft.quant_linear(torch.empty(3, 32), packed, "q4_0", n, None)
+            ops.quant_linear(torch.empty(3, 32), packed, "q4_0", n, None)
 
 
 def test_this_machines_path_within_the_bound():
-    assert ext.linear.quant_isa() in ("base", "avx2", "avx512", "avx512_vnni")
+    assert ql.quant_isa() in ("base", "avx2", "avx512", "avx512_vnni")
     assert check_all() <= 1.0
 
 
@@ -234,9 +234,9 @@ def test_each_instruction_set(isa):
     far as the maths fixes them (the integer sums)."""
     cap = {"avx512_vnni": "avx512_vnni", "avx512": "avx512"}.get(isa, isa)
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "import test_quant_linear as t, sharpdraft_ext as ext\n"
+            "import test_quant_linear as t\n"
             "t.test_activation_quantisation_matches_an_independent_reference()\n"
-            "print(ext.linear.quant_isa(), ext.linear.quant_panel_width(), t.check_all())\n"
+            "print(t.ql.quant_isa(), t.ql.quant_panel_width(), t.check_all())\n"
             % str(Path(__file__).parent))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, SHARPDRAFT_CPU_ISA=cap), check=True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sharpdraft_ext as ext
 from sharpdraft.data.tasks import user_tasks
 from sharpdraft.drafters.loading import load_drafter
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
@@ -21,6 +20,7 @@ from sharpdraft.target import quantized
 from sharpdraft.target.kv_cache import CACHE_KWARG
 from sharpdraft.target.loading import default_gguf, load_target, resolve_target
 from sharpdraft.data.prompts import render
+from sharpdraft_ext import cpu_runtime
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def test_blocks_hold_exactly_what_transformers_dequantises(gguf_path, models):
     assert len(blocks) == 30 * 7 + 1          # every decoder linear and the tied LM head
     for name, (b, qtype) in blocks.items():
         w = params[f"{name}.weight"] if name != "lm_head" else dense.lm_head.weight
-        packed = ext.linear.quant_pack(b, qtype, *w.shape)
-        assert torch.equal(ext.linear.quant_unpack(packed, qtype, w.shape[0]), w.detach()), name
+        packed = cpu_runtime.quant_pack(b, qtype, *w.shape)
+        assert torch.equal(cpu_runtime.quant_unpack(packed, qtype, w.shape[0]), w.detach()), name
 
 
 def test_loaded_model_runs_on_the_blocks(models):
@@ -107,7 +107,7 @@ def test_quant_linear_paths_by_rows(models):
     g = torch.Generator().manual_seed(0)
     step = torch.randn(1, 8, mod.in_features, generator=g)
     with torch.no_grad():
-        assert torch.equal(mod(step), ext.linear.quant_linear(step, mod.packed, "q4_1",
+        assert torch.equal(mod(step), cpu_runtime.quant_linear(step, mod.packed, "q4_1",
                                                               mod.out_features))
         long = torch.randn(quantized.QUANT_MAX_ROWS + 1, mod.in_features, generator=g)
         assert torch.equal(mod(long), F.linear(long, mod.weight))
@@ -207,7 +207,7 @@ def test_batched_llama_layers_refuses_bad_seq_starts(models):
     args = (x, cos, sin, cache, cache, 0)
     rest = (f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down, f.qtypes,
             f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate_size, f.eps, [])
-    op = torch.ops.sharpdraft.llama_layers
+    op = cpu_runtime.llama_layers
     with pytest.raises(ValueError, match="seq_starts must be >= 0"):
         op(*args, None, *rest, torch.tensor([3, -1]))
     with pytest.raises(ValueError, match="seq_starts must be an int64"):

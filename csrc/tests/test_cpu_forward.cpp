@@ -1,13 +1,14 @@
-// The torch-free CPU forward (csrc/cpu/sharp_cpu.h) against a naive float64 implementation
-// written here from spec §2-§3 (it shares no code with the kernel), run on 2 std::threads.
+// The torch-free CPU forward (csrc/attention/cpu/sharp_cpu.h) against a naive float64
+// implementation written here from spec §2-§3 (it shares no code with the kernel), run on 2
+// std::threads.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "check.h"
-#include "cpu/sharp_cpu.h"
-#include "sharp_math.h"  // only for the 16-bit conversions of inputs and outputs
+#include "attention/cpu/sharp_cpu.h"
+#include "attention/sharp_math.h"  // only for the 16-bit conversions of inputs and outputs
 
 using namespace sharpdraft;
 

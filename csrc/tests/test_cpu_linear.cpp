@@ -1,13 +1,14 @@
-// The torch-free CPU linear layer (csrc/cpu/linear_cpu.h) against a float64 x W^T + b written
-// here, for row counts on both sides of the register block, widths that are and are not a
-// multiple of the panel width, strided x and y, with and without bias, serial and on 2 threads.
+// The torch-free CPU linear layer (csrc/cpu_runtime/linear_cpu.h) against a float64 x W^T + b
+// written here, for row counts on both sides of the register block, widths that are and are not
+// a multiple of the panel width, strided x and y, with and without bias, serial and on 2 threads.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
 #include "check.h"
-#include "cpu/linear_cpu.h"
+#include "common/cpu_features.h"
+#include "cpu_runtime/linear_cpu.h"
 
 using namespace sharpdraft;
 
@@ -50,7 +51,7 @@ void run_case(int64_t rows, int64_t n, int64_t k, bool bias, bool threads) {
 }  // namespace
 
 int main() {
-  std::printf("test_cpu_linear (isa %s, panel width %lld)\n", cpu::isa_name(),
+  std::printf("test_cpu_linear (isa level %d, panel width %lld)\n", cpu::isa_level(),
               (long long)cpu::panel_width());
   const int64_t width = cpu::panel_width();
   CHECK(cpu::panel_count(width) == 1 && cpu::panel_count(width + 1) == 2);

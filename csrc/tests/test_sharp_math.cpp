@@ -1,10 +1,10 @@
-// Unit tests of the shared row maths (csrc/sharp_math.h) against hand-computed values.
+// Unit tests of the shared row maths (csrc/attention/sharp_math.h) against hand-computed values.
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 
 #include "check.h"
-#include "sharp_math.h"
+#include "attention/sharp_math.h"
 
 using namespace sharpdraft;
 

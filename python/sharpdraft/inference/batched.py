@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+from sharpdraft_ext import cpu_runtime
 
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
 from ..target.quantized import QUANT_MAX_ROWS, is_quantised
@@ -157,7 +158,7 @@ def _unpadded(runtime: TargetRuntime, prompts: Sequence[Sequence[int]], max_new_
             live = [live[r] for r in keep]
         x = decoder.embed_tokens(nxt[:, None])                      # (B, 1, hidden)
         cos, sin = decoder.rotary_emb(x, lengths[:, None])          # (B, 1, head dim)
-        hidden = torch.ops.sharpdraft.llama_layers(
+        hidden = cpu_runtime.llama_layers(
             x[:, 0], cos[:, 0].float().contiguous(), sin[:, 0].float().contiguous(), keys,
             values, 0, None, f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down,
             f.qtypes, f.num_heads, f.num_kv_heads, f.head_dim, f.intermediate_size, f.eps, [],

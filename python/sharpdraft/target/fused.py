@@ -1,6 +1,6 @@
 """One op call over a Llama-style target's decoder layers on quantised weights
-(`sharpdraft_ext`'s `llama_layers`, csrc/decoder_cpu.cpp): what `TargetRuntime` runs for every
-step-sized forward (up to QUANT_MAX_ROWS rows) when the model qualifies.
+(`sharpdraft_ext.cpu_runtime.llama_layers`, csrc/cpu_runtime/decoder.cpp): what `TargetRuntime`
+runs for every step-sized forward (up to QUANT_MAX_ROWS rows) when the model qualifies.
 
 A decode step of SmolLM2-135M through the Hugging Face modules spent about 30 of 52 ms in Python
 and small torch ops (profiled at a 1.4k context); the op runs the same maths (RMSNorm, the fused
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-import sharpdraft_ext as ext
 import torch
+from sharpdraft_ext import cpu_runtime
 from torch import nn
 
 from .. import settings
@@ -48,7 +48,7 @@ class FusedLayers:
 def _fuse(mods) -> Optional[torch.Tensor]:
     """One packed weight for modules that read the same input (their outputs side by side), the
     modules' own packs becoming views of it; None when formats or widths do not allow it."""
-    width = ext.linear.quant_panel_width()
+    width = cpu_runtime.quant_panel_width()
     if len({m.qtype for m in mods}) != 1 or any(m.out_features % width for m in mods):
         return None
     fused = torch.cat([m.packed for m in mods])
@@ -82,7 +82,7 @@ def fused_layers(model: nn.Module) -> Optional[FusedLayers]:
         if layer.input_layernorm.weight.dtype != torch.float32:
             return None
         qkv, gate_up = _fuse(mods[:3]), _fuse(mods[4:6])
-        if qkv is None or gate_up is None or any(m.out_features % ext.linear.quant_panel_width()
+        if qkv is None or gate_up is None or any(m.out_features % cpu_runtime.quant_panel_width()
                                                  for m in mods):
             return None
         f.input_norm.append(layer.input_layernorm.weight.detach().contiguous())

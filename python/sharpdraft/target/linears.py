@@ -1,15 +1,15 @@
 """Linear layers of the target runtime: `PackedLinear` and the per-shape plan (`plan_linears`)
 that picks, for each weight shape and row regime, the fastest of F.linear, oneDNN's prepacked
-weight and sharpdraft_ext's panel kernel, as measured on this machine."""
+weight and sharpdraft_ext.cpu_runtime's panel kernel, as measured on this machine."""
 from __future__ import annotations
 
 import bisect
 import time
 from typing import Dict, Optional, Sequence
 
-import sharpdraft_ext as ext
 import torch
 import torch.nn.functional as F
+from sharpdraft_ext import cpu_runtime
 from torch import nn
 
 from .. import settings
@@ -31,10 +31,11 @@ def _packed_linear(x2d, packed, bias):
 
 
 # The ways a CPU linear layer can run: "dense" (F.linear), "onednn" (oneDNN's prepacked weight)
-# and "panel" (sharpdraft_ext.packed_linear: our few-row kernel, float32), all the layer's own
-# maths up to float rounding; and QUANT_PATH, the weight re-quantised to GGUF Q8_0 blocks with
-# int8 activations (sharpdraft_ext.linear.quant_linear), which a drafter may take when the
-# target itself runs on quantised blocks (`prepare_drafter(quantised=True)`), never the target.
+# and "panel" (sharpdraft_ext.cpu_runtime.packed_linear: our few-row kernel, float32), all the
+# layer's own maths up to float rounding; and QUANT_PATH, the weight re-quantised to GGUF Q8_0
+# blocks with int8 activations (sharpdraft_ext.cpu_runtime.quant_linear), which a drafter may
+# take when the target itself runs on quantised blocks (`prepare_drafter(quantised=True)`), never
+# the target.
 LINEAR_PATHS = ("dense", "onednn", "panel")
 QUANT_PATH = "q8_0"
 # The row counts a plan tells apart: one row (a decode step), 2 .. 32 (a chain, block or small
@@ -82,14 +83,14 @@ def pack_weight(weight: torch.Tensor, path: str):
     if path == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
     if path == "panel":
-        return ext.pack_linear_weight(weight)
+        return cpu_runtime.pack_linear_weight(weight)
     if path == QUANT_PATH:
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
         blocks = quantize(weight.float().cpu().numpy(), GGMLQuantizationType.Q8_0)
-        return ext.linear.quant_pack(torch.from_numpy(blocks.copy()), QUANT_PATH,
-                                     weight.shape[0], weight.shape[1])
+        return cpu_runtime.quant_pack(torch.from_numpy(blocks.copy()), QUANT_PATH,
+                                      weight.shape[0], weight.shape[1])
     return None
 
 
@@ -97,10 +98,10 @@ def run_path(path: str, x2d, weight, packed, bias):
     if path == "onednn":
         return _packed_linear(x2d, packed, bias)
     if path == "panel":   # the op itself checks its arguments (the wrapper would check twice)
-        return torch.ops.sharpdraft.packed_linear(x2d, packed, weight.shape[0], bias)
+        return torch.ops.sharpdraft_cpu_runtime.packed_linear(x2d, packed, weight.shape[0], bias)
     if path == QUANT_PATH:
-        return torch.ops.sharpdraft.quant_linear(x2d.contiguous(), packed, QUANT_PATH,
-                                                 weight.shape[0], bias)
+        return torch.ops.sharpdraft_cpu_runtime.quant_linear(x2d.contiguous(), packed, QUANT_PATH,
+                                                             weight.shape[0], bias)
     return F.linear(x2d, weight, bias)
 
 
@@ -183,10 +184,10 @@ _PLANS: Dict[tuple, tuple] = {}   # measured choices of this process, by shape a
 def plan_linears(model: nn.Module, repeats: int = 11,
                  paths: Optional[Sequence[str]] = None) -> Dict[tuple, tuple]:
     """Measure, for every distinct (out, in, dtype) of the model's CPU `nn.Linear`s, each of
-    `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext's panel kernel)
-    at the row count each `ROW_REGIMES` entry is measured at (one row, a verification, a wide
-    tree's verification; medians of `repeats`, a third of them past 8 rows, the paths timed in
-    turn), and keep the fastest for each.
+    `paths` it can take (`F.linear`, the oneDNN-packed weight, sharpdraft_ext.cpu_runtime's panel
+    kernel) at the row count each `ROW_REGIMES` entry is measured at (one row, a verification, a
+    wide tree's verification; medians of `repeats`, a third of them past 8 rows, the paths timed
+    in turn), and keep the fastest for each.
 
     A forward streams every weight from memory once, so each call is timed with the weight
     evicted from the caches (a read of _COLD_BYTES before it), as in the model; a weight

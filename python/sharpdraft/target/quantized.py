@@ -3,7 +3,7 @@ file itself or re-quantised at load, and the measured rule behind `--weights aut
 
 A decode step of a small model on a CPU streams every weight from memory: float32 weights read
 538 MB a forward for SmolLM2-135M, its Q4_1 blocks 84 MB. `QuantLinear` keeps the blocks
-(`sharpdraft_ext.linear.quant_pack`) and multiplies int8-quantised activations with them
+(`sharpdraft_ext.cpu_runtime.quant_pack`) and multiplies int8-quantised activations with them
 (`quant_linear`, integer dot products) for up to QUANT_MAX_ROWS rows: every decode and
 verification step, always through that one kernel, so a row's result never depends on how many
 rows share the call (the lossless engine needs it). Past that (a long prompt's prefill) it runs
@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 import numpy as np
-import sharpdraft_ext as ext
 import torch
 import torch.nn.functional as F
+from sharpdraft_ext import cpu_runtime
 from torch import nn
 
 from .linears import interleaved_medians, linear_paths, pack_weight, paths_for, run_path
 
-QTYPES = ext.linear.QTYPES
+QTYPES = cpu_runtime.QTYPES
 # Rows up to this many (a decode step, a verification, a wide tree's) always take the
 # quantised kernel; a prefill past it takes F.linear on the dequantised weight.
 QUANT_MAX_ROWS = 96
@@ -67,8 +67,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.qtype = qtype
-        self.packed = ext.linear.quant_pack(blocks, qtype, self.out_features, self.in_features)
-        self.weight = nn.Parameter(ext.linear.quant_unpack(self.packed, qtype, self.out_features),
+        self.packed = cpu_runtime.quant_pack(blocks, qtype, self.out_features, self.in_features)
+        self.weight = nn.Parameter(cpu_runtime.quant_unpack(self.packed, qtype, self.out_features),
                                    requires_grad=False)
         self.bias = linear.bias
 
@@ -82,8 +82,8 @@ class QuantLinear(nn.Module):
                 or rows == 0 or (torch.is_grad_enabled() and x.requires_grad)):
             return F.linear(x, self.weight.to(x.dtype), self.bias)
         bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.sharpdraft.quant_linear(x, self.packed, self.qtype, self.out_features,
-                                                 bias)
+        return torch.ops.sharpdraft_cpu_runtime.quant_linear(x, self.packed, self.qtype,
+                                                             self.out_features, bias)
 
 
 def is_quantised(model: nn.Module) -> bool:

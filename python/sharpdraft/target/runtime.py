@@ -18,8 +18,8 @@ changes only what costs time without changing the maths:
   prepacked weights its paths need; for each weight shape and for one row (decode), a few
   (verification) or a few dozen (a wide draft tree's verification; `ROW_REGIMES`) it runs
   whichever of `F.linear`, oneDNN's prepacked weight and our panel kernel
-  (`sharpdraft_ext.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest, as
-  measured on this machine when the runtime is set up (`plan_linears`;
+  (`sharpdraft_ext.cpu_runtime.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest,
+  as measured on this machine when the runtime is set up (`plan_linears`;
   SHARPDRAFT_LINEAR_PATHS restricts the choice). Autograd, other devices and other dtypes take
   `F.linear`.
 
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
+from sharpdraft_ext import cpu_runtime
 from torch import nn
 
 from ..attention import SharpConfig, register, set_sharp_config
@@ -221,7 +222,7 @@ class TargetRuntime:
                 layer.lazy_initialization(empty, empty)
         capture = [i for i in self.hidden_layers if i < self.num_layers]
         mask = None if attention_mask is None else attention_mask.to(torch.bool)
-        outs = torch.ops.sharpdraft.llama_layers(
+        outs = cpu_runtime.llama_layers(
             x[0], cos[0].float().contiguous(), sin[0].float().contiguous(),
             [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers],
             start, mask, f.input_norm, f.post_norm, f.qkv, f.o_proj, f.gate_up, f.down,

@@ -1,0 +1,19 @@
+// Instantiation: head_dim 64, fp16, non-causal; with and without attn_mask;
+// the default tile, the one-warp tile of Lq <= kSmallM and the alternative prefill tile.
+#include "attention/cuda/sharp_fwd_kernel.h"
+
+namespace sharpdraft {
+namespace cuda {
+
+using Kt = DefaultTraits<64, __half>::type;
+using KtSmall = SmallMTraits<64, __half>::type;  // Lq <= kSmallM
+using KtAlt = AltTraits<64, __half>::type;  // SHARPDRAFT_CUDA_TILE=alt
+template void launch_sharp_fwd<Kt, false, false>(const SharpParams&, const SplitKV&, cudaStream_t);
+template void launch_sharp_fwd<Kt, false, true>(const SharpParams&, const SplitKV&, cudaStream_t);
+template void launch_sharp_fwd<KtSmall, false, false>(const SharpParams&, const SplitKV&, cudaStream_t);
+template void launch_sharp_fwd<KtSmall, false, true>(const SharpParams&, const SplitKV&, cudaStream_t);
+template void launch_sharp_fwd<KtAlt, false, false>(const SharpParams&, const SplitKV&, cudaStream_t);
+template void launch_sharp_fwd<KtAlt, false, true>(const SharpParams&, const SplitKV&, cudaStream_t);
+
+}  // namespace cuda
+}  // namespace sharpdraft
