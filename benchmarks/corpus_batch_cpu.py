@@ -18,7 +18,7 @@ from sharpdraft.data.prompts import pad_id
 from sharpdraft.eval.report import write_json
 from sharpdraft.inference.batched import generate_batch
 from sharpdraft.target import loading as models
-from sharpdraft.target.runtime import prepare_target
+from sharpdraft.target.runtime import TargetRuntime
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
         p.error("--new must be >= 2, --batches and --lengths >= 1")
     torch.set_num_threads(args.threads)
     model, tokenizer, _ = models.load_target()
-    prepare_target(model)
+    model = TargetRuntime.prepare(model)       # generate_batch takes the prepared runtime
     pad = pad_id(tokenizer)
     rng = random.Random(0)
     rows = []

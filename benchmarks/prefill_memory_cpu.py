@@ -35,7 +35,7 @@ def run_mode(mode: str, context: int, new_tokens: int) -> dict:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.no_grad():
         if mode == "runtime":
-            runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+            runtime = TargetRuntime.prepare(target, hidden_layers=drafter.hidden_layers)
             runtime.start(ids.shape[1] + new_tokens)
             out = runtime.forward(ids, last_only=True)
             kept = sum(h.numel() * h.element_size() for h in out.hidden.values())

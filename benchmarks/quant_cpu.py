@@ -131,7 +131,7 @@ def ours_run(target, drafter, new_tokens: int):
 
 def forward_ms(model, ids, contexts, rows, repeats):
     """{context: {rows: median ms of a forward over `rows` tokens after `context` tokens}}."""
-    rt = TargetRuntime(model)
+    rt = TargetRuntime.prepare(model)
     out = {}
     for c in contexts:
         rt.start(c + max(rows) + 1)

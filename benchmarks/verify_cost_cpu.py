@@ -71,7 +71,7 @@ def forward_costs(hf, ours, ids, lengths, repeats, gen):
     with torch.no_grad():
         cache = DynamicCache()
         hf(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        runtime = TargetRuntime(ours)
+        runtime = TargetRuntime.prepare(ours)
         runtime.start(ctx + max(lengths))
         runtime.forward(ids, last_only=True)
         out = {}
@@ -176,7 +176,7 @@ def main():
 
     result = {"threads": args.threads, "repeats": args.repeats, "read_bandwidth_gbs": bw,
               "gemm_peak_gflops": peak, "parameters": params, "target": provenance,
-              "runtime": TargetRuntime(ours).info, "forward": rows,
+              "runtime": TargetRuntime.prepare(ours).info, "forward": rows,
               "decode_prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens,
               "decode": decode, "decode_step_floor_ms": step_floor}
     lines = [f"Target forward over n tokens after a context, float32, {args.threads} threads, "

@@ -50,7 +50,7 @@ def test_verified_distributions_are_the_targets(target):
     d = tiny_drafter(target)
     a = adapt.OnlineAdapter(d, target, "full", every=1000)
     ids = prompt(1)
-    rt = TargetRuntime(target, hidden_layers=a.hidden_layers, pack=False)
+    rt = TargetRuntime.prepare(target, hidden_layers=a.hidden_layers, pack=False)
     rt.start(64)
     out = rt.forward(ids, last_only=True)
     s = a.start(target, ids, out.hidden, rt.cache)

@@ -10,6 +10,7 @@ import sharpdraft_ext as ext
 from sharpdraft.eval import mass
 from sharpdraft.attention import observe
 from sharpdraft.inference.engine import speculative_generate
+from sharpdraft.target.runtime import TargetRuntime
 from sharpdraft_helpers import tiny_drafter, tiny_target
 
 
@@ -77,12 +78,13 @@ def probed():
     target = tiny_target()
     drafter = tiny_drafter(target, block_size=4, train_context=16)
     suite = mass.scaling_suite(16, topk=4)
-    probe = mass.AttentionProbe(mass.attention_modules(drafter, target), suite, topk=4, rows=8)
+    runtime = TargetRuntime.prepare(target)          # its copy's modules are the ones called
+    probe = mass.AttentionProbe(mass.attention_modules(drafter, runtime), suite, topk=4, rows=8)
     for L in (12, 60):
         probe.context = L
         ids = torch.randint(3, 250, (1, L), generator=torch.Generator().manual_seed(L))
         with observe(probe):
-            speculative_generate(target, drafter, ids, 6)
+            speculative_generate(runtime, drafter, ids, 6)
     return probe, mass.summarise(probe)
 
 
@@ -186,7 +188,7 @@ def _session_drafts(target, drafter, ids, a):
     """Greedy drafts at anchor a through the inference path: a session after the prefix
     ids[:a], the last committed token ids[a] at position a."""
     from sharpdraft.target.runtime import TargetRuntime
-    rt = TargetRuntime(target, hidden_layers=drafter.hidden_layers, pack=False)
+    rt = TargetRuntime.prepare(target, hidden_layers=drafter.hidden_layers, pack=False)
     rt.start(a + 1)
     with torch.no_grad():
         out = rt.forward(ids[None, :a])

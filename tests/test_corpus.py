@@ -17,7 +17,7 @@ from sharpdraft.cli import commands as cli
 from sharpdraft.data import corpus, prompts as prompt_set, sources as data
 from sharpdraft.inference.sampling import sample_next
 from sharpdraft.target import PreallocatedCache
-from sharpdraft.target.runtime import prepare_target
+from sharpdraft.target.runtime import TargetRuntime
 from sharpdraft_helpers import tiny_target
 
 WORDS = ("the lord god said unto him and her earth heaven light day night water was it "
@@ -93,9 +93,10 @@ def every_kind(sources=None):
 
 @pytest.fixture(scope="module")
 def target():
+    """(the runtime of a tiny target, its tokenizer); generate_batch and generate_corpus take
+    the runtime, direct forwards its prepared copy (`runtime.model`)."""
     tok = tiny_tokenizer()
-    model = prepare_target(tiny_target(vocab=len(tok), eos_token_id=1))
-    return model, tok
+    return TargetRuntime.prepare(tiny_target(vocab=len(tok), eos_token_id=1)), tok
 
 
 SETTINGS = corpus.Settings(batch=4, max_new_tokens=8, batches_per_shard=2, heldout_every=2,
@@ -181,9 +182,10 @@ def test_batched_greedy_generation_matches_unbatched(target):
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        padded = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+        prepared = model.model                     # the runtime's copy: sharp attention
+        padded = prepared(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
         for i, p in enumerate(prompts):
-            alone = model(input_ids=torch.tensor([p])).logits[0, -1]
+            alone = prepared(input_ids=torch.tensor([p])).logits[0, -1]
             torch.testing.assert_close(padded[i], alone, atol=1e-4, rtol=1e-4)
 
 

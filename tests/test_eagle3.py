@@ -50,7 +50,7 @@ def test_prompt_keys_written_at_start_draft_as_the_full_first_pass(target, windo
     drafter = tiny_eagle3(target, chain_length=4)
     drafter.context_window = window
     prompt = prompt_of(19, 4)
-    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
+    runtime = TargetRuntime.prepare(target, hidden_layers=drafter.hidden_layers)
     runtime.start(40)
     out = runtime.forward(prompt, last_only=True)
     eager = drafter.start(target, prompt, out.hidden, runtime.cache)

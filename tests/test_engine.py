@@ -14,7 +14,8 @@ from sharpdraft_helpers import tiny_drafter, tiny_target
 
 def pristine(target):
     """An independent copy of `target`: same weights, transformers' own SDPA attention and
-    nn.Linear layers (the engine prepares `target` in place for its runtime)."""
+    nn.Linear layers, whatever `target` was loaded with (the oracle never shares a module with
+    the runtime under test)."""
     config = copy.deepcopy(target.config)
     config._attn_implementation = "sdpa"
     config.sharp_config = None

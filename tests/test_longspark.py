@@ -109,7 +109,7 @@ def _teacher_forced_rounds(target, drafter, prompt, steps, gen):
     """Drive a session by hand over the target runtime, committing a random number of the
     drafts each round; returns (session, ids of positions 0 .. T (the last one the next `last`),
     [(position, last, drafts, logits)])."""
-    rt = TargetRuntime(target, hidden_layers=drafter.hidden_layers, pack=False)
+    rt = TargetRuntime.prepare(target, hidden_layers=drafter.hidden_layers, pack=False)
     rt.start(256)
     out = rt.forward(prompt, last_only=True)
     s = drafter.start(target, prompt, out.hidden, rt.cache)
@@ -183,7 +183,7 @@ def test_state_does_not_grow_with_the_context(target):
         prompt = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n))
         for name, d in (("longspark", tiny_longspark(target, window=64)),
                         ("dflash", tiny_drafter(target))):
-            rt = TargetRuntime(target, hidden_layers=d.hidden_layers, pack=False)
+            rt = TargetRuntime.prepare(target, hidden_layers=d.hidden_layers, pack=False)
             rt.start(n + 8)
             out = rt.forward(prompt, last_only=True)
             s = d.start(target, prompt, out.hidden, rt.cache)

@@ -140,19 +140,15 @@ def test_fused_layers_equal_the_modules_and_compute_each_row_alone(models, monke
     the same model through its Hugging Face modules (SHARPDRAFT_FUSED_LAYERS=0): the same
     logits and hidden states up to float32 rounding; and a verification's first row is the
     same bits as a decode step of that token alone (what losslessness needs)."""
-    import copy
-
     from sharpdraft.target.runtime import TargetRuntime
 
     quant, tokenizer = models[1], models[2]
     ids = _prompt(tokenizer, 2)[:, :400]
-    fused = TargetRuntime(quant, hidden_layers=[0, 7, 30])
+    fused = TargetRuntime.prepare(quant, hidden_layers=[0, 7, 30])
     assert fused.fused is not None and fused.info["fused_layers"]
     monkeypatch.setenv("SHARPDRAFT_FUSED_LAYERS", "0")
-    plain_model = copy.deepcopy(quant)
-    del plain_model._sharpdraft_runtime
-    plain = TargetRuntime(plain_model, hidden_layers=[0, 7, 30])
-    assert plain.fused is None
+    plain = TargetRuntime.prepare(quant, hidden_layers=[0, 7, 30])
+    assert plain.fused is None and not plain.info["fused_layers"]
     outs = []
     for rt in (fused, plain):
         rt.start(512)
@@ -197,10 +193,32 @@ def test_batched_generation_on_the_blocks_is_target_only_decoding(models):
     assert batched == alone
 
 
+def test_the_runtime_leaves_the_gguf_target_as_it_was(models):
+    """Preparing the fused runtime and decoding through it (and through the bare model) leave
+    the loaded target as it was: its QuantLinears keep their own packed blocks (not views of
+    the runtime's fused q/k/v and gate/up packs), its modules, config and tensors too."""
+    from sharpdraft.target.runtime import TargetRuntime
+    from test_runtime import assert_unchanged, snapshot
+
+    quant, tokenizer = models[1], models[2]
+    before = snapshot(quant)
+    runtime = TargetRuntime.prepare(quant)
+    assert runtime.fused is not None
+    ids = _prompt(tokenizer, 1)[:, :40]
+    want = autoregressive_generate(runtime, ids, 4).tokens
+    assert autoregressive_generate(quant, ids, 4).tokens == want
+    assert not hasattr(quant, "_sharpdraft_runtime")
+    assert_unchanged(before, snapshot(quant))
+    q = quant.model.layers[0].self_attn.q_proj
+    fused_q = runtime.model.model.layers[0].self_attn.q_proj
+    assert fused_q is not q and fused_q.packed._base is runtime.fused.qkv[0]
+    assert q.packed.data_ptr() != runtime.fused.qkv[0].data_ptr()
+
+
 def test_batched_llama_layers_refuses_bad_seq_starts(models):
     from sharpdraft.target.runtime import TargetRuntime
 
-    f = TargetRuntime(models[1]).fused
+    f = TargetRuntime.prepare(models[1]).fused
     x = torch.randn(2, 576)
     cos, sin = torch.ones(2, f.head_dim), torch.zeros(2, f.head_dim)
     cache = [torch.zeros(2, f.num_kv_heads, 8, f.head_dim) for _ in f.qkv]

@@ -1,8 +1,14 @@
 """Target runtime (sharpdraft.target): the same numbers as the Hugging Face model's own forward
 (spec §6 rule, with the model itself in float64 as the reference), a preallocated cache
 that crops and keeps tree paths exactly as a fresh forward over the kept tokens, hidden states of
-the asked layers only, prepacked linears equal to nn.Linear, and the context-length check."""
+the asked layers only, prepacked linears equal to nn.Linear, the context-length check, a
+caller's model left exactly as it was by preparation and generation, and one session per
+runtime (two threads on one bare model each get their own runtime; on one runtime, the second
+gets a clear error)."""
 import copy
+import gc
+import threading
+import weakref
 
 import pytest
 import torch
@@ -12,10 +18,11 @@ from transformers import DynamicCache
 from conftest import assert_close_spec
 from sharpdraft.attention import sharp_mask
 from sharpdraft.target.kv_cache import CACHE_KWARG
+from sharpdraft.inference import engine
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft.target.linears import PackedLinear
-from sharpdraft.target.runtime import TargetRuntime, prepare_target
-from sharpdraft_helpers import tiny_drafter, tiny_target
+from sharpdraft.target.runtime import BUSY, TargetRuntime
+from sharpdraft_helpers import TARGET_FAMILIES, tiny_drafter, tiny_target
 from test_engine import pristine
 
 
@@ -25,7 +32,7 @@ def models():
     target = tiny_target(seed=5)
     ref32 = pristine(target)
     ref64 = copy.deepcopy(ref32).double()
-    runtime = TargetRuntime(target, hidden_layers=[0, 2, 4])
+    runtime = TargetRuntime.prepare(target, hidden_layers=[0, 2, 4])
     return runtime, ref32, ref64
 
 
@@ -159,14 +166,174 @@ def test_sharp_mask_skips_only_the_plain_causal_mask():
                                                                        dtype=torch.bool)) is None
 
 
-def test_prepare_is_idempotent_and_keeps_the_state_dict():
-    target = tiny_target(seed=6)
-    keys = sorted(target.state_dict())
-    prepare_target(target)
-    prepare_target(target)
-    assert sorted(target.state_dict()) == keys
-    assert target.lm_head.weight is target.model.embed_tokens.weight or \
-        not target.config.tie_word_embeddings
+def snapshot(model) -> dict:
+    """What preparing or generating must leave as it was: every module's type and attribute
+    names, the config (attention implementation included), each parameter's and buffer's
+    identity and storage, a QuantLinear's packed blocks, and the state_dict's values."""
+    from sharpdraft.target.quantized import QuantLinear
+
+    return {"modules": [(name, type(m), sorted(vars(m))) for name, m in model.named_modules()],
+            "config": model.config.to_dict(), "attn": model.config._attn_implementation,
+            "sharp_config": hasattr(model.config, "sharp_config"),
+            "tensors": [(name, id(t), t.data_ptr()) for name, t in
+                        [*model.named_parameters(), *model.named_buffers()]],
+            "packed": [(name, id(m.packed), m.packed.data_ptr(), m.packed._base is None)
+                       for name, m in model.named_modules() if isinstance(m, QuantLinear)],
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    state_a, state_b = before.pop("state"), after.pop("state")
+    assert before == after
+    assert list(state_a) == list(state_b)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+@pytest.mark.parametrize("family", sorted(TARGET_FAMILIES))
+def test_prepare_and_generate_leave_the_model_as_it_was(family):
+    target = TARGET_FAMILIES[family](seed=6)
+    before = snapshot(target)
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(6))
+    runtime = TargetRuntime.prepare(target)
+    want = autoregressive_generate(runtime, prompt, 6).tokens
+    assert autoregressive_generate(target, prompt, 6).tokens == want      # a bare model too
+    assert speculative_generate(target, tiny_drafter(target), prompt, 6).tokens == want
+    assert not hasattr(target, "_sharpdraft_runtime")
+    assert_unchanged(before, snapshot(target))
+    # the runtime's copy: its own modules and config, the model's very tensors
+    twin = runtime.model
+    assert twin.config is not target.config and twin.config._attn_implementation == "sharp"
+    assert any(isinstance(m, PackedLinear) for m in twin.modules())
+    assert [id(p) for p in twin.parameters()] == [id(p) for p in target.parameters()]
+    assert [id(b) for b in twin.buffers()] == [id(b) for b in target.buffers()]
+    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == \
+        (target.lm_head.weight is target.model.embed_tokens.weight)
+    assert list(runtime.info) == ["linear_plan", "packed_linears", "fused_layers"]
+
+
+def test_engine_keeps_a_runtime_per_model_and_lets_it_go_with_the_model():
+    target = tiny_target(seed=9)
+    prompt = torch.arange(1, 9)[None]
+    first = autoregressive_generate(target, prompt, 4).tokens
+    (runtime,) = engine._RUNTIMES[target][1]
+    assert autoregressive_generate(target, prompt, 4).tokens == first
+    assert engine._RUNTIMES[target][1] == [runtime] and not runtime.busy     # reused, freed
+    # a parameter replaced: the kept runtime no longer fits, a fresh one is prepared
+    norm = target.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 3)
+    want = autoregressive_generate(TargetRuntime.prepare(target), prompt, 4).tokens
+    assert autoregressive_generate(target, prompt, 4).tokens == want
+    assert engine._RUNTIMES[target][1] != [runtime]
+    ref = weakref.ref(target)
+    del target, runtime
+    gc.collect()
+    assert ref() is None                          # the kept runtimes hold no reference to it
+
+
+def _generate_in_threads(fns):
+    """Run each fn in its own thread; returns their results (re-raising the first error)."""
+    results, errors = [None] * len(fns), []
+
+    def run(i):
+        try:
+            results[i] = fns[i]()
+        except BaseException as err:          # noqa: B902 (re-raised in the main thread)
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_two_threads_on_one_bare_model_each_get_their_own_runtime():
+    """Both threads are inside a generation at once (a barrier after each one's first token):
+    the second finds the kept runtime busy and gets a fresh one; both outputs are the
+    single-threaded output."""
+    target = tiny_target(seed=10)
+    prompt = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(10))
+    want = autoregressive_generate(target, prompt, 12).tokens
+    barrier = threading.Barrier(2, timeout=60)
+
+    def generate():
+        seen = []
+
+        def progress(n):
+            if not seen:
+                seen.append(n)
+                barrier.wait()                # both hold a runtime here
+        return autoregressive_generate(target, prompt, 12, progress=progress).tokens
+
+    assert _generate_in_threads([generate, generate]) == [want, want]
+    runtimes = engine._RUNTIMES[target][1]
+    assert len(runtimes) == 2 and not any(rt.busy for rt in runtimes)
+
+
+def test_two_threads_on_one_runtime_the_second_gets_a_clear_error():
+    target = tiny_target(seed=11)
+    prompt = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(11))
+    runtime = TargetRuntime.prepare(target)
+    want = autoregressive_generate(runtime, prompt, 8).tokens
+    inside, release = threading.Event(), threading.Event()
+
+    def progress(n):
+        inside.set()
+        assert release.wait(60)
+
+    def first():
+        return autoregressive_generate(runtime, prompt, 8, progress=progress).tokens
+
+    def second():
+        assert inside.wait(60)
+        try:
+            with pytest.raises(RuntimeError, match="in use by another generation") as err:
+                autoregressive_generate(runtime, prompt, 8)
+            assert str(err.value) == BUSY
+            with pytest.raises(RuntimeError, match="in use by another generation"):
+                runtime.start(16)
+            with pytest.raises(RuntimeError, match="in use by another generation"):
+                runtime.forward(prompt)
+            with pytest.raises(RuntimeError, match="another thread"):
+                runtime.finish()
+        finally:
+            release.set()
+        return "refused"
+
+    assert _generate_in_threads([first, second]) == [want, "refused"]
+    assert not runtime.busy
+    assert autoregressive_generate(runtime, prompt, 8).tokens == want     # free again
+
+
+def test_a_session_ends_on_errors_and_with_its_thread():
+    target = tiny_target(seed=12)
+    runtime = TargetRuntime.prepare(target)
+    prompt = torch.arange(1, 9)[None]
+
+    def fail(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        autoregressive_generate(runtime, prompt, 8, progress=fail)
+    assert not runtime.busy and runtime.cache is None
+    # a thread that starts a session and ends without finishing does not hold it
+    _generate_in_threads([lambda: runtime.start(8)])
+    runtime.start(8)
+    runtime.finish()
+    # a generation nested in another on the same thread: the bare model gets a second runtime
+    want = autoregressive_generate(target, prompt, 6).tokens
+    inner = []
+    outer = autoregressive_generate(
+        target, prompt, 6,
+        progress=lambda n: inner or inner.append(autoregressive_generate(target, prompt, 6)))
+    assert outer.tokens == inner[0].tokens == want
+    with runtime.session(8):
+        with pytest.raises(RuntimeError, match="in use by another generation"):
+            autoregressive_generate(runtime, prompt, 6)     # a session is already open
 
 
 def test_engine_refuses_generations_past_the_context():

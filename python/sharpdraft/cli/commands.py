@@ -368,11 +368,11 @@ def sweep_command(target, tokenizer, provenance, drafter, args) -> dict:
 
 
 def cmd_data(args) -> dict:
-    """`sharpdraft data generate`: load and prepare the target, then generate or resume the
-    corpus in --out (sharpdraft.data.corpus.generate_corpus). Returns a summary: counts per split,
-    the measured response tokens/s, the manifest's path."""
+    """`sharpdraft data generate`: load the target and prepare its runtime (the "auto" plan),
+    then generate or resume the corpus in --out (sharpdraft.data.corpus.generate_corpus).
+    Returns a summary: counts per split, the measured response tokens/s, the manifest's path."""
     from ..data import corpus
-    from ..target.runtime import prepare_target
+    from ..target.runtime import TargetRuntime
     from ..training.loop import training_device
 
     device = training_device(args.device)
@@ -383,7 +383,7 @@ def cmd_data(args) -> dict:
         raise ValueError("--device cuda needs --dtype bfloat16 or float16 (the CUDA kernel's "
                          "dtypes)")
     target, tokenizer, provenance = load_target_for(args)
-    prepare_target(target.to(device))
+    runtime = TargetRuntime.prepare(target.to(device))
     settings = corpus.Settings(batch=args.batch, max_new_tokens=args.max_new_tokens,
                                seed=args.seed, batches_per_shard=args.batches_per_shard,
                                temperature=args.temperature, top_p=args.top_p,
@@ -393,7 +393,7 @@ def cmd_data(args) -> dict:
     if limit is not None and args.max_seq_len > limit:
         raise ValueError(f"--max-seq-len {args.max_seq_len} exceeds the target's context of "
                          f"{limit} (max_position_embeddings)")
-    manifest = corpus.generate_corpus(target, tokenizer, args.out, args.tokens, settings,
+    manifest = corpus.generate_corpus(runtime, tokenizer, args.out, args.tokens, settings,
                                       provenance=provenance, sources=args.sources)
     return {"out": str(args.out), "manifest": str(Path(args.out) / corpus.MANIFEST),
             "shards": len(manifest["shards"]), "counts": manifest["counts"],

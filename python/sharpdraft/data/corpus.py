@@ -199,7 +199,8 @@ def generate_corpus(model, tokenizer, out, tokens: int, settings: Settings = Set
     `tokens` response tokens.
 
     Args:
-        model: a causal LM (prepared with `sharpdraft.target.prepare_target` for speed on CPU).
+        model: a causal LM, or a `sharpdraft.target.TargetRuntime` prepared from one
+            (`batched.generate_batch` takes either; a bare model is left as it is).
         tokenizer: its tokenizer (chat template used when it has one).
         settings: see `Settings`; must equal those of an existing corpus in `out`, except
             batch and batches_per_shard (`RESCHEDULABLE`), which apply to the new shards.

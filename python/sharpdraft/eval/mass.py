@@ -31,6 +31,7 @@ from sharpdraft_ext.reference import visible_mask_ref
 from ..attention import SharpConfig, observe
 from .bench import build_prompts
 from ..inference.engine import speculative_generate
+from ..target.runtime import TargetRuntime
 from .report import figure, save_figure, write_report
 
 RECENT = 32
@@ -162,8 +163,14 @@ class AttentionProbe:
 def attention_modules(drafter, target) -> Dict:
     """{attention module: (model, layer)} of a drafter and its target: every module whose calls
     reach `attention.attend` with `module=` (the drafters' attention modules in order, and the
-    target's HF attention modules by their layer_idx)."""
+    target's HF attention modules by their layer_idx).
+
+    target: the `TargetRuntime` the decoding runs (its prepared copy's modules are the ones
+    called), or a model that is called itself (a bare model given to the decoding loops runs
+    through a runtime's copy: its own modules are never called)."""
     found = {}
+    if isinstance(target, TargetRuntime):
+        target = target.model
     for name, model in (("drafter", drafter), ("target", target)):
         mods = [m for m in model.modules() if _is_attention(m)]
         for i, m in enumerate(mods):
@@ -277,14 +284,15 @@ def run(target, tokenizer, drafter, *, drafter_name: str, lengths: List[int], st
     writes mass.json, mass.md and mass.png to `out`. Returns the per-layer rows."""
     n_ref = drafter.sharp.n_ref
     drafter.sharp = SharpConfig(mode="none", n_ref=n_ref)
-    modules = attention_modules(drafter, target if include_target else torch.nn.Module())
+    runtime = TargetRuntime.prepare(target)        # the probe watches its modules
+    modules = attention_modules(drafter, runtime if include_target else torch.nn.Module())
     probe = AttentionProbe(modules, scaling_suite(n_ref, topk, calibrated=calibrated), topk=topk,
                            rows=rows, seed=seed)
     for L in tqdm(lengths, desc="analyze mass: contexts", unit="context"):
         ids = build_prompts(tokenizer, [L], 0)[0]["ids"]
         probe.context = L
         with observe(probe):
-            speculative_generate(target, drafter, ids, steps)
+            speculative_generate(runtime, drafter, ids, steps)
     result = summarise(probe)
     meta = {"drafter": drafter_name, "n_ref": n_ref, "topk": topk, "steps": steps,
             "rows_per_call": rows, "lengths": lengths, "seed": seed,

@@ -8,7 +8,11 @@ Two paths, the same contract:
   row per live sequence, each row at its own position and seeing only its own keys
   (`seq_starts`). Every row is computed alone, so a greedy response is token for token the
   runtime's target-only decoding of that prompt.
-- Any other causal LM: the Hugging Face modules over left-padded prompts (masked out).
+- Any other causal LM: the Hugging Face modules of the runtime's prepared copy (sharp
+  attention, prepacked linears) over left-padded prompts (masked out).
+
+Either way the model runs through a `TargetRuntime` (`engine.runtime_session`): the caller's
+model is left as it is.
 """
 from __future__ import annotations
 
@@ -18,9 +22,9 @@ import torch
 from sharpdraft_ext import cpu_runtime
 
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
-from ..target.quantized import QUANT_MAX_ROWS, is_quantised
+from ..target.quantized import QUANT_MAX_ROWS
 from ..target.runtime import TargetRuntime
-from .engine import gc_paused
+from .engine import gc_paused, runtime_session
 from .sampling import sample_next
 
 COMPACT_AT = 0.75     # drop the finished rows once at most this fraction of the batch is live
@@ -65,8 +69,10 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     `sharpdraft.target.PreallocatedCache` sized for the whole batch.
 
     Args:
-        model: a transformers causal LM (prepared with `sharpdraft.target.prepare_target` for
-            speed on CPU).
+        model: a transformers causal LM (left as it is: it runs through a runtime of its own,
+            prepared with the "auto" plan and kept for its later calls; see
+            `engine.runtime_session`) or a `sharpdraft.target.TargetRuntime`; either way the
+            forwards are the runtime's prepared copy's.
         prompts: B token-id lists (lengths may differ, each >= 1).
         max_new_tokens: at most this many tokens per prompt (>= 1).
         pad_token_id: fills the left padding (never attended to).
@@ -80,18 +86,29 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     Raises:
         ValueError: no prompts, an empty prompt, or max_new_tokens < 1.
+        RuntimeError: a `TargetRuntime` that another generation is using.
     """
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("prompts: need at least one prompt, each with at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    if device.type == "cpu" and is_quantised(model):     # fused layers need quantised ones
-        runtime = TargetRuntime(model)
-        if runtime.fused is not None:
+    with runtime_session(model, max(len(p) for p in prompts)) as runtime:
+        device = next(runtime.model.parameters()).device
+        generator = (torch.Generator(device=device).manual_seed(seed) if temperature > 0
+                     else None)
+        if device.type == "cpu" and runtime.fused is not None:
             return _unpadded(runtime, prompts, max_new_tokens, eos_token_id, temperature, top_p,
                              generator)
+        return _padded(runtime.model, prompts, max_new_tokens, pad_token_id, eos_token_id,
+                       temperature, top_p, generator)
+
+
+def _padded(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
+            eos_token_id: Optional[int], temperature: float, top_p: float,
+            generator: Optional[torch.Generator]) -> List[List[int]]:
+    """`generate_batch` through the Hugging Face modules of `model` (a runtime's prepared copy)
+    over left-padded prompts, keys and values in one batch-sized `PreallocatedCache`."""
+    device = next(model.parameters()).device
     ids, mask = _left_padded(prompts, pad_token_id, max_new_tokens)
     ids, mask = ids.to(device), mask.to(device)
     width = ids.shape[1]

@@ -32,7 +32,10 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
     distributed as the target's own samples (docs/spec.md, the engine's acceptance rule).
 
     Args:
-        target: a transformers causal LM (`load_target`).
+        target: a transformers causal LM (`load_target`; left as it is, run through a runtime
+            prepared with the "auto" plan and kept for its later calls), or a
+            `sharpdraft.target.TargetRuntime` (`TargetRuntime.prepare(model, plan)`: another
+            plan, or one runtime per thread).
         drafter: a drafter (`load_drafter`) or None for target-only decoding.
         prompt: text (needs `tokenizer`; rendered as one chat turn when `chat`) or (1, L) int64
             token ids.
@@ -54,6 +57,7 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
             max_new_tokens < 1, negative temperature, draft_threshold outside [0, 1], a tree
             with a chain-only drafter, or prompt + max_new_tokens past the target's context
             (max_position_embeddings).
+        RuntimeError: a `TargetRuntime` that another generation is using.
     """
     if isinstance(prompt, str):
         if tokenizer is None:

@@ -34,16 +34,28 @@ cache, the sharp kernel with mode "none", logits and hidden states only where us
 linear layers), sized for prompt + max_new_tokens + the largest draft and refused, before any
 work, when that exceeds the target's max_position_embeddings, with Python's cyclic garbage
 collector paused (`gc_paused`).
+
+`target`, in every loop (and in `decode.generate`, `batched.generate_batch`): a transformers
+causal LM, or a `TargetRuntime` prepared from one (`TargetRuntime.prepare(model, plan)`: choose
+the plan, e.g. a measured one saved to a file). A bare model is never changed: the loops run it
+through a runtime prepared with the "auto" plan (no timing), kept per model for later calls
+(`runtime_session`). A runtime serves one generation at a time: two threads that share a bare
+model each get their own; two that share one runtime get RuntimeError (`runtime.BUSY`) in the
+second.
 """
 from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import math
+import threading
 import time
+import weakref
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -160,6 +172,71 @@ def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
     return int(sample_next(logits, temperature, generator=generator))
 
 
+# Runtimes the loops prepared for bare models: {model: (its tensors' fingerprint, [runtimes])}.
+# Weak keys: the runtimes hold no reference to the model (they share its tensors only), so an
+# entry goes with its model.
+_RUNTIMES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_RUNTIMES_LOCK = threading.Lock()
+
+
+def _fingerprint(model) -> tuple:
+    """What a cached runtime depends on: the identity, storage, dtype and device of every
+    parameter and buffer (a module or tensor replaced, `model.to(...)`, loading a checkpoint
+    into new tensors change it; in-place updates reach the runtime's shared tensors anyway)."""
+    return tuple((id(t), t.data_ptr(), t.dtype, t.device)
+                 for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def target_model(target):
+    """The transformers model of `target` (a model, or a `TargetRuntime`'s prepared copy): what
+    config checks and drafters read."""
+    return target.model if isinstance(target, TargetRuntime) else target
+
+
+@contextmanager
+def runtime_session(target, capacity: int, hidden_layers: Iterable[int] = ()):
+    """A started `TargetRuntime` for one generation over `target`, finished when the block
+    ends (exceptions included).
+
+    Args:
+        target: a `TargetRuntime` (its `session`), or a transformers causal LM: then a runtime
+            prepared from it with the "auto" plan (no timing) and kept for the model's later
+            calls while its tensors stay the same (`_fingerprint`), a fresh one when every kept
+            one is in a generation (another thread's, or an outer one of this thread). The
+            model itself is never changed.
+        capacity: cache positions.
+        hidden_layers: hidden-state indices the forwards return.
+
+    Raises:
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` that is in another generation.
+        ValueError: a hidden-layer index outside [0, num_layers].
+    """
+    if isinstance(target, TargetRuntime):
+        with target.session(capacity, hidden_layers=hidden_layers) as runtime:
+            yield runtime
+        return
+    stamp = _fingerprint(target)
+    runtime = None
+    with _RUNTIMES_LOCK:
+        entry = _RUNTIMES.get(target)
+        if entry is not None and entry[0] == stamp:
+            runtime = next((rt for rt in entry[1] if not rt.busy), None)
+            if runtime is not None:        # claimed under the lock: no other thread gets it
+                runtime.start(capacity, hidden_layers=hidden_layers)
+    if runtime is None:                    # prepared outside the lock (it takes a while)
+        runtime = TargetRuntime.prepare(target)
+        runtime.start(capacity, hidden_layers=hidden_layers)
+        with _RUNTIMES_LOCK:
+            entry = _RUNTIMES.get(target)
+            if entry is None or entry[0] != stamp:
+                entry = _RUNTIMES[target] = (stamp, [])
+            entry[1].append(runtime)
+    try:
+        yield runtime
+    finally:
+        runtime.finish()
+
+
 def check_context(target, prompt_tokens: int, max_new_tokens: int, extra: int = 0,
                   what: str = "prompt", flag: str = "max_new_tokens") -> int:
     """Refuse a generation whose prompt + max_new_tokens exceed the target's context (its
@@ -168,7 +245,7 @@ def check_context(target, prompt_tokens: int, max_new_tokens: int, extra: int = 
     the CLI and the analyses.
 
     Args:
-        target: a transformers causal LM (only `target.config` is read).
+        target: a transformers causal LM or a `TargetRuntime` (only the config is read).
         prompt_tokens: tokens of the prompt (`what` names it in the message, e.g. "prompt
             kjv-2048" or "--length").
         max_new_tokens: tokens to generate (`flag` names it: "max_new_tokens" for a Python
@@ -183,7 +260,7 @@ def check_context(target, prompt_tokens: int, max_new_tokens: int, extra: int = 
         ValueError naming `flag`, the positions needed and the limit, with a value of `flag`
             that fits (or, when even the prompt alone fills the context, asking to shorten it).
     """
-    limit = getattr(target.config, "max_position_embeddings", None)
+    limit = getattr(target_model(target).config, "max_position_embeddings", None)
     needed = prompt_tokens + max_new_tokens
     if limit is not None and needed > limit:
         def named(value):
@@ -259,8 +336,8 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
     `TargetRuntime` as the speculative loops.
 
     Args:
-        target: a transformers causal LM (prepared for the runtime on first use, see
-            `sharpdraft.target.prepare_target`).
+        target: a transformers causal LM (left as it is: it runs through a runtime of its
+            own, see the module docstring) or a `TargetRuntime` (`TargetRuntime.prepare`).
         prompt_ids: (1, L) int64 token ids.
         max_new_tokens: stop after this many tokens (>= 1).
         temperature: 0 = greedy, else sampling from softmax(logits / temperature).
@@ -271,27 +348,27 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
     Raises:
         ValueError: prompt_ids not (1, L), max_new_tokens < 1, temperature negative or not
             finite, or prompt + max_new_tokens beyond the target's max_position_embeddings.
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
     """
     capacity = _check(target, prompt_ids, max_new_tokens, temperature)
-    runtime = TargetRuntime(target)
     tick = _Progress(progress)
-    start = time.perf_counter()
-    runtime.start(capacity)
-    logits = runtime.forward(prompt_ids, last_only=True).logits[-1]
-    tokens: List[int] = []
-    result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0)
-    while True:
-        tok = _pick(logits, temperature, generator)
-        tokens.append(tok)
-        if len(tokens) == 1:
-            result.prefill_s = time.perf_counter() - start
-        tick(1)
-        if tok == eos_token_id or len(tokens) >= max_new_tokens:
-            break
-        ids = torch.tensor([[tok]], device=prompt_ids.device)
-        logits = runtime.forward(ids).logits[-1]
-        result.target_forwards += 1
-    result.wall_s = time.perf_counter() - start
+    with runtime_session(target, capacity) as runtime:
+        start = time.perf_counter()
+        logits = runtime.forward(prompt_ids, last_only=True).logits[-1]
+        tokens: List[int] = []
+        result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0)
+        while True:
+            tok = _pick(logits, temperature, generator)
+            tokens.append(tok)
+            if len(tokens) == 1:
+                result.prefill_s = time.perf_counter() - start
+            tick(1)
+            if tok == eos_token_id or len(tokens) >= max_new_tokens:
+                break
+            ids = torch.tensor([[tok]], device=prompt_ids.device)
+            logits = runtime.forward(ids).logits[-1]
+            result.target_forwards += 1
+        result.wall_s = time.perf_counter() - start
     result.verify_s = result.wall_s - result.prefill_s
     return result
 
@@ -339,30 +416,28 @@ def _record_step(result: GenerationResult, accepted: List[int], n_drafts: int, c
 
 
 @torch.no_grad()
-def _prefill(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float,
+def _prefill(runtime: TargetRuntime, drafter, prompt_ids: torch.Tensor, temperature: float,
              generator, progress, max_drafts: int, block_size: Optional[int] = None):
-    """What every speculative loop does first: check the request (`_check`, room for
-    `max_drafts` draft rows), set up the target runtime capturing the drafter's layers, run the
-    prompt, start the drafter's session on its hidden states and commit the first token.
+    """What every speculative loop does first, on a started runtime (`runtime_session`, which
+    captures the drafter's layers): prepack the drafter, run the prompt, start the drafter's
+    session on its hidden states (the drafter reads the runtime's prepared copy of the target)
+    and commit the first token.
 
     Returns:
-        (runtime, session, result, tick, start): `result.tokens` holds the first token,
+        (session, result, tick, start): `result.tokens` holds the first token,
         `result.prefill_s` its time; `start` is the perf_counter value the run began at.
     """
-    capacity = _check(target, prompt_ids, max_new_tokens, temperature, max_drafts + 1)
-    runtime = TargetRuntime(target, hidden_layers=drafter.hidden_layers)
-    prepare_drafter(drafter, quantised=is_quantised(target))
+    prepare_drafter(drafter, quantised=is_quantised(runtime.model))
     tick = _Progress(progress)
     start = time.perf_counter()
-    runtime.start(capacity)
     out = runtime.forward(prompt_ids, last_only=True)
-    session = drafter.start(target, prompt_ids, out.hidden, runtime.cache)
+    session = drafter.start(runtime.model, prompt_ids, out.hidden, runtime.cache)
     result = GenerationResult([_pick(out.logits[-1], temperature, generator)],
                               prompt_ids.shape[1], 1, 0.0,
                               block_size=block_size or max_drafts + 1)
     tick(1)
     result.prefill_s = time.perf_counter() - start
-    return runtime, session, result, tick, start
+    return session, result, tick, start
 
 
 @gc_paused
@@ -374,7 +449,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     """Chain speculative decoding with any drafter (batch size 1), lossless.
 
     Args:
-        target: a transformers causal LM.
+        target: a transformers causal LM or a `TargetRuntime` (as in `autoregressive_generate`).
         drafter: a `sharpdraft.drafters.base.Drafter` built for this target (DFlash, EAGLE-3,
             PARD, LongSpark; its `sharp` config is used as is), or any object with the session
             protocol (`analysis.adapt.OnlineAdapter`). Its session proposes up to
@@ -386,15 +461,24 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
 
     Raises:
         ValueError: as `autoregressive_generate`, or draft_threshold outside [0, 1].
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
 
     Returns:
         GenerationResult with accept_lengths / context_lengths of every verification forward.
     """
     if not 0.0 <= draft_threshold <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
-    runtime, session, result, tick, start = _prefill(
-        target, drafter, prompt_ids, max_new_tokens, temperature, generator, progress,
-        drafter.max_drafts)
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
+    with runtime_session(target, capacity, drafter.hidden_layers) as runtime:
+        return _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
+                           eos_token_id, generator, progress, draft_threshold)
+
+
+def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_token_id,
+                generator, progress, draft_threshold) -> GenerationResult:
+    """`speculative_generate`'s prefill and steps on a started runtime."""
+    session, result, tick, start = _prefill(runtime, drafter, prompt_ids, temperature,
+                                            generator, progress, drafter.max_drafts)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
     # a drafter that drafts one token a forward stops where the threshold cuts (same drafts)
     stop = ({"stop_below": draft_threshold}
@@ -416,7 +500,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         ids = torch.tensor([[last] + drafts], device=dev)
         out = runtime.forward(ids)
         result.target_forwards += 1
-        accepted = _verify(out.logits, drafts, q_probs, temperature, generator)
+        accepted = _verify(out.row_logits, drafts, q_probs, temperature, generator)
         runtime.crop(committed + len(accepted))     # roll back past the first rejection
         t2 = time.perf_counter()
         session.commit(accepted, out.hidden)
@@ -488,13 +572,24 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
 
     Raises:
         ValueError: as `speculative_generate`, or a drafter that does not draft trees.
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
     """
     if not getattr(drafter, "drafts_trees", False):
         raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
                          f"does); use speculative_generate")
-    runtime, session, result, tick, start = _prefill(
-        target, drafter, prompt_ids, max_new_tokens, temperature, generator, progress,
-        drafter.max_tree_nodes, block_size=drafter.max_tree_depth + 1)
+    capacity = _check(target, prompt_ids, max_new_tokens, temperature,
+                      drafter.max_tree_nodes + 1)
+    with runtime_session(target, capacity, drafter.hidden_layers) as runtime:
+        return _tree_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
+                          eos_token_id, generator, progress)
+
+
+def _tree_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_token_id,
+               generator, progress) -> GenerationResult:
+    """`tree_speculative_generate`'s prefill and steps on a started runtime."""
+    session, result, tick, start = _prefill(runtime, drafter, prompt_ids, temperature,
+                                            generator, progress, drafter.max_tree_nodes,
+                                            block_size=drafter.max_tree_depth + 1)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
@@ -509,7 +604,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         ids = torch.tensor([[last] + tree.tokens], device=dev)
         out = runtime.forward(ids, attention_mask=mask[None, None], position_ids=pos)
         result.target_forwards += 1
-        path, accepted = verify_tree(out.logits, tree, temperature, generator)
+        path, accepted = verify_tree(out.row_logits, tree, temperature, generator)
         runtime.keep(committed + 1, path)
         t2 = time.perf_counter()
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)

@@ -29,7 +29,8 @@ _QTYPE_ID = {"q4_0": 0, "q4_1": 1, "q8_0": 2}
 
 @dataclass
 class FusedLayers:
-    """The per-layer arguments of `llama_layers` (fused packs share memory with the modules')."""
+    """The per-layer arguments of `llama_layers` (the modules' q/k/v and gate/up packs are
+    views of `qkv` and `gate_up`)."""
 
     input_norm: List[torch.Tensor]
     post_norm: List[torch.Tensor]
@@ -46,8 +47,9 @@ class FusedLayers:
 
 
 def _fuse(mods) -> Optional[torch.Tensor]:
-    """One packed weight for modules that read the same input (their outputs side by side), the
-    modules' own packs becoming views of it; None when formats or widths do not allow it."""
+    """One packed weight for modules that read the same input (their outputs side by side): a
+    new tensor, the modules' `packed` attributes rebound to views of it (the tensors they held
+    are not touched); None when formats or widths do not allow it."""
     width = cpu_runtime.quant_panel_width()
     if len({m.qtype for m in mods}) != 1 or any(m.out_features % width for m in mods):
         return None
@@ -61,7 +63,12 @@ def _fuse(mods) -> Optional[torch.Tensor]:
 
 def fused_layers(model: nn.Module) -> Optional[FusedLayers]:
     """The `llama_layers` arguments of `model`, or None when it does not qualify (see the
-    module docstring) or SHARPDRAFT_FUSED_LAYERS=0."""
+    module docstring) or SHARPDRAFT_FUSED_LAYERS=0.
+
+    The fused q/k/v and gate/up packs are new tensors and `model`'s q/k/v/gate/up modules are
+    rebound to views of them: `TargetRuntime` calls it on its own copy of the module tree
+    (`runtime.shared_copy`), whose modules are its own, so the caller's modules keep their
+    packs (and the runtime holds those blocks a second time while they live)."""
     if not settings.get("SHARPDRAFT_FUSED_LAYERS"):
         return None
     cfg = model.config

@@ -1,6 +1,8 @@
-"""Linear layers of the target runtime: `PackedLinear` and the per-shape plan (`plan_linears`)
-that picks, for each weight shape and row regime, the fastest of F.linear, oneDNN's prepacked
-weight and sharpdraft_ext.cpu_runtime's panel kernel, as measured on this machine."""
+"""Linear layers of the target runtime: `PackedLinear` and the measured per-shape plan
+(`plan_linears`) that picks, for each weight shape and row regime, the fastest of F.linear,
+oneDNN's prepacked weight and sharpdraft_ext.cpu_runtime's panel kernel, as timed on this machine (what
+`TargetRuntime.prepare(model, "measure")` uses; the default plan, `plan.auto_plan`, is a rule
+derived from such measurements and times nothing)."""
 from __future__ import annotations
 
 import bisect
@@ -49,9 +51,9 @@ PANEL_MAX_ROWS = ROW_REGIMES[-1][0]
 
 
 def linear_paths() -> tuple:
-    """The paths the runtime's linear plan may choose from: all of `LINEAR_PATHS`, or those
-    listed in SHARPDRAFT_LINEAR_PATHS (`sharpdraft.settings`; comma-separated, e.g.
-    "dense,onednn" to compare against the runtime without the panel kernel).
+    """The paths a runtime plan may choose from: all of `LINEAR_PATHS`, or those listed in
+    SHARPDRAFT_LINEAR_PATHS (`sharpdraft.settings`; comma-separated, e.g. "dense,onednn" to
+    compare against the runtime without the panel kernel).
 
     Raises:
         ValueError naming SHARPDRAFT_LINEAR_PATHS: an unknown path or none at all.

@@ -47,6 +47,14 @@ class RowLogits:
         self.head_calls = 0
         self.rows_computed = 0
 
+    @classmethod
+    def computed(cls, logits: torch.Tensor) -> "RowLogits":
+        """Logits already computed, (rows, vocab) float32 (a forward through the modules)."""
+        out = cls(logits, lambda x: x)
+        out._compute(range(len(out)))
+        out.head_calls = 0
+        return out
+
     def __len__(self) -> int:
         return self._hidden.shape[0]
 

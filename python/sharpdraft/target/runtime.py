@@ -17,17 +17,24 @@ changes only what costs time without changing the maths:
 - Linear layers: `PackedLinear`, which keeps each `nn.Linear`'s parameters and adds the
   prepacked weights its paths need; for each weight shape and for one row (decode), a few
   (verification) or a few dozen (a wide draft tree's verification; `ROW_REGIMES`) it runs
-  whichever of `F.linear`, oneDNN's prepacked weight and our panel kernel
-  (`sharpdraft_ext.cpu_runtime.packed_linear`, float32, up to PANEL_MAX_ROWS rows) is fastest,
-  as measured on this machine when the runtime is set up (`plan_linears`;
-  SHARPDRAFT_LINEAR_PATHS restricts the choice). Autograd, other devices and other dtypes take
-  `F.linear`.
+  one of `F.linear`, oneDNN's prepacked weight and our panel kernel
+  (`sharpdraft_ext.cpu_runtime.packed_linear`, float32, up to PANEL_MAX_ROWS rows), as the runtime's
+  `RuntimePlan` says (`plan`: by default a rule of the CPU's features and the shapes derived
+  from benchmarks/results/linear-cpu*, no timing; "measure" times each shape here,
+  `plan_linears`; SHARPDRAFT_LINEAR_PATHS restricts the choice). Autograd, other devices and
+  other dtypes take `F.linear`.
+
+All of it happens on the runtime's own copy of the module tree (`shared_copy`: the model's
+parameters, buffers and tensor attributes, its own modules and config): the caller's model is
+left exactly as it was, and `TargetRuntime.prepare` is the one way in.
 
 The numbers differ from the Hugging Face forward only by float rounding (tests hold the runtime
 to the spec §6 tolerance against the model's own forward with SDPA and a DynamicCache).
 """
 from __future__ import annotations
 
+import copy
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
@@ -38,19 +45,26 @@ from torch import nn
 
 from ..attention import SharpConfig, register, set_sharp_config
 from .kv_cache import CACHE_KWARG, PreallocatedCache
-from .fused import fused_layers
+from .fused import FusedLayers, fused_layers
 from .linears import QUANT_PATH, linear_paths, pack_linears, plan_linears
+from .logits import RowLogits
+from .plan import PlanSpec, RuntimePlan, resolve_plan
 from .quantized import QUANT_MAX_ROWS
 
 
 @dataclass
 class StepOutput:
-    """logits: (rows, vocab) float32 of the rows asked for. hidden: {hidden-state index: (1, L,
-    hidden)}, index i as in transformers' output_hidden_states (0 = embeddings, i = output of
-    decoder layer i - 1, num_layers = after the final norm)."""
+    """row_logits: the `RowLogits` of the rows asked for (the fused path runs the LM head on a
+    row when it is first read; `logits` is every row, (rows, vocab) float32). hidden:
+    {hidden-state index: (1, L, hidden)}, index i as in transformers' output_hidden_states
+    (0 = embeddings, i = output of decoder layer i - 1, num_layers = after the final norm)."""
 
-    logits: torch.Tensor
+    row_logits: RowLogits
     hidden: Dict[int, torch.Tensor]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.row_logits.all()
 
 
 def _decoder(model):
@@ -102,26 +116,6 @@ def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
             h.remove()
 
 
-def prepare_target(model: nn.Module, *, pack: bool = True) -> nn.Module:
-    """Set a Hugging Face causal LM up for the runtime, once (idempotent): its attention runs
-    through the sharp kernel with mode "none", and (pack=True, CPU) its linear layers are
-    prepacked by the measured rule of `plan_linears`. The model's outputs are unchanged up to
-    float rounding; its parameters and state_dict keys are untouched."""
-    state = getattr(model, "_sharpdraft_runtime", None)
-    if state is not None:
-        return model
-    register()
-    if model.config._attn_implementation != "sharp":
-        model.set_attn_implementation("sharp")
-    set_sharp_config(model, SharpConfig(mode="none"))
-    plan = plan_linears(model) if pack else {}
-    packed = pack_linears(model, plan) if plan else 0
-    model._sharpdraft_runtime = {"linear_plan": {f"{o}x{i} {str(d)[6:]}": list(p)
-                                                 for (o, i, d), p in plan.items()},
-                                 "packed_linears": packed}
-    return model
-
-
 def prepare_drafter(drafter: nn.Module, *, quantised: bool = False) -> nn.Module:
     """Prepack a drafter's own CPU linear layers by the same measured rule as the target's
     (`plan_linears`), once per setting; parameters and state_dict are untouched, and a packed
@@ -143,41 +137,209 @@ def prepare_drafter(drafter: nn.Module, *, quantised: bool = False) -> nn.Module
     return drafter
 
 
+BUSY = ("TargetRuntime: in use by another generation; prepare one runtime per thread "
+        "(TargetRuntime.prepare)")
+
+
+def _tensors_in(value, add, depth: int = 3) -> None:
+    """Pass every tensor in `value` (itself, or inside dicts, lists, tuples and sets, `depth`
+    levels down) to `add`."""
+    if isinstance(value, torch.Tensor):
+        add(value)
+    elif depth > 0 and isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, add, depth - 1)
+    elif depth > 0 and isinstance(value, (list, tuple, set, frozenset)):
+        for v in value:
+            _tensors_in(v, add, depth - 1)
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s module tree (modules, configs, hooks) that shares every parameter,
+    buffer and tensor attribute of its modules (a QuantLinear's `packed`, a rotary embedding's
+    tables) with `model`: `copy.deepcopy` with a memo that maps each of them to itself. Nothing
+    large is copied, tied weights stay tied, and in-place updates of the model's tensors
+    (`load_state_dict`, an optimizer step, `model.to(dtype)` on a parameter) reach the copy;
+    replacing a module, a parameter or a buffer of `model` afterwards does not.
+
+    Raises:
+        RuntimeError: the copy does not share the model's parameters (a module whose own
+            `__deepcopy__` copies them).
+    """
+    memo: Dict[int, object] = {}
+
+    def add(t):
+        memo[id(t)] = t
+
+    for mod in model.modules():
+        for name, value in vars(mod).items():
+            if name != "_modules":
+                _tensors_in(value, add)
+    twin = copy.deepcopy(model, memo)
+    if any(a is not b for a, b in zip(model.parameters(), twin.parameters())):
+        raise RuntimeError(f"TargetRuntime.prepare: copying {type(model).__name__} did not "
+                           f"share its parameters")
+    return twin
+
+
 class TargetRuntime:
-    """Runs a prepared target over a `PreallocatedCache`.
+    """Runs a causal LM for the decoding loops over a `PreallocatedCache`, on its own prepared
+    copy of the model's module tree (`model`), leaving the caller's model exactly as it was.
 
-    Args:
-        model: a transformers causal LM (prepared on first use, see `prepare_target`).
-        hidden_layers: hidden-state indices (as in output_hidden_states) to return with every
-            forward; empty for none.
-        pack: prepack linear layers (CPU) when preparing.
+    Make one with `TargetRuntime.prepare(model, plan)` (the constructor takes the same
+    arguments). Usage: `start(capacity)`, then `forward(ids, ...)` for the prefill and every
+    step; `length` is the committed cache length; `crop(length)` and `keep(start, rows)` roll
+    back; `finish()` ends the session (or `with runtime.session(capacity): ...`).
 
-    Usage: `start(capacity)`, then `forward(ids, ...)` for the prefill and every step; `length`
-    is the committed cache length; `crop(length)` and `keep(start, rows)` roll back.
+    One session at a time: the KV cache is the runtime's. A session belongs to the thread
+    that started it until `finish()` (or until that thread ends); `start` or `session` from
+    another thread meanwhile, and `session` on a runtime whose session is open, raise
+    RuntimeError(BUSY). Prepare one runtime per thread (the decoding loops do so for a bare
+    model, see `sharpdraft.inference.engine.runtime_session`).
+
+    Attributes:
+        model: the prepared copy (sharp attention, mode "none"; `PackedLinear`s per the plan).
+        plan: the `RuntimePlan` it was prepared with (an empty `linears` with pack=False).
+        fused: the `llama_layers` arguments (`fused.FusedLayers`) or None.
+        info: {"linear_plan": {"<out>x<in> <dtype>": [paths]}, "packed_linears": count,
+            "fused_layers": bool}, what reports print.
+        hidden_layers: the hidden-state indices every forward returns (this session's).
     """
 
-    def __init__(self, model: nn.Module, hidden_layers: Iterable[int] = (), pack: bool = True):
+    def __init__(self, model: nn.Module, plan: PlanSpec = "auto", *,
+                 hidden_layers: Iterable[int] = (), pack: bool = True):
         self.num_layers = len(_decoder(model).layers)
-        self.hidden_layers = list(hidden_state_modules(model, hidden_layers))  # checked first
-        self.model = prepare_target(model, pack=pack)
-        state = self.model._sharpdraft_runtime
-        if "fused" not in state:          # once per model (its packs become views of the fused)
-            state["fused"] = fused_layers(self.model)
-            state["fused_layers"] = state["fused"] is not None
-        self.fused = state["fused"]
+        self._hidden = list(hidden_state_modules(model, hidden_layers))    # checked first
+        plan = resolve_plan(plan, model, measure=pack)                     # a bad file too
+        if not pack:
+            plan = RuntimePlan({}, plan.fused, plan.source)
+        twin = shared_copy(model)
+        register()
+        if twin.config._attn_implementation != "sharp":
+            twin.set_attn_implementation("sharp")
+        set_sharp_config(twin, SharpConfig(mode="none"))
+        self._packed = pack_linears(twin, plan.linears) if plan.linears else 0
+        self.fused: Optional[FusedLayers] = fused_layers(twin) if plan.fused else None
+        self.model, self.plan = twin, plan
+        self.hidden_layers = list(self._hidden)
         self.cache: Optional[PreallocatedCache] = None
+        self._owner: Optional[threading.Thread] = None
+        self._owner_lock = threading.Lock()
+
+    @classmethod
+    def prepare(cls, model: nn.Module, plan: PlanSpec = "auto", *,
+                hidden_layers: Iterable[int] = (), pack: bool = True) -> "TargetRuntime":
+        """A runtime for `model` (a transformers causal LM with a standard decoder: CPU or CUDA,
+        dense or on `QuantLinear` blocks), which is left exactly as it was: no attribute added,
+        no module replaced, its config (attention implementation included) and its tensors
+        unchanged.
+
+        The runtime works on `shared_copy(model)`: the same parameters, buffers and tensor
+        attributes, its own modules and config. There the attention runs the sharp kernel with
+        mode "none", CPU `nn.Linear`s become `PackedLinear`s by the plan's paths (pack=True;
+        their prepacked weights are the runtime's, as the in-place preparation's were), and a
+        Llama on quantised blocks gets the fused `llama_layers` decoder (`fused`). Memory: the
+        fused q/k/v and gate/up packs are the runtime's own copies (the model's packs stay
+        as they were), so while the model lives the runtime holds those five projections'
+        blocks a second time: 30 x 4032 x 576 Q4_1 weights, 44 MB, for SmolLM2-135M on its
+        GGUF; each further runtime (one per thread) adds its packs again.
+
+        Args:
+            model: the causal LM.
+            plan: "auto" (`plan.auto_plan`, a rule of the CPU's features and the weight
+                shapes, no timing), "measure" (`plan.measured_plan`, each shape timed here), a
+                plan file's path (`RuntimePlan.load`) or a `RuntimePlan`.
+            hidden_layers: hidden-state indices (as in output_hidden_states: 0 = embeddings,
+                i = decoder layer i - 1's output, num_layers = after the final norm) every
+                forward returns by default; empty for none.
+            pack: prepack CPU linears by the plan (False: F.linear everywhere, nothing timed).
+
+        Raises:
+            ValueError: a hidden-layer index outside [0, num_layers]; a plan file that cannot
+                be read or holds a bad plan (naming the file and the field), both before any
+                work.
+            TypeError: a plan that is none of the above.
+        """
+        return cls(model, plan, hidden_layers=hidden_layers, pack=pack)
 
     @property
     def info(self) -> dict:
-        return {k: v for k, v in self.model._sharpdraft_runtime.items() if k != "fused"}
+        return {"linear_plan": self.plan.info(), "packed_linears": self._packed,
+                "fused_layers": self.fused is not None}
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
 
-    def start(self, capacity: int) -> None:
-        """A fresh cache of `capacity` positions."""
+    @property
+    def busy(self) -> bool:
+        """Whether a session is open (started by a thread that is still running)."""
+        owner = self._owner
+        return owner is not None and owner.is_alive()
+
+    def start(self, capacity: int, *, hidden_layers: Optional[Iterable[int]] = None) -> None:
+        """Open a session with a fresh cache of `capacity` positions (the thread that holds the
+        session may start again: its old session ends).
+
+        Args:
+            hidden_layers: hidden-state indices the forwards of this session return (default:
+                the runtime's own, `prepare`'s hidden_layers).
+
+        Raises:
+            RuntimeError(BUSY): another thread's session is open.
+            ValueError: a hidden-layer index outside [0, num_layers].
+        """
+        hidden = (list(self._hidden) if hidden_layers is None
+                  else list(hidden_state_modules(self.model, hidden_layers)))
+        me = threading.current_thread()
+        with self._owner_lock:
+            if self._owner is not me and self.busy:
+                raise RuntimeError(BUSY)
+            self._owner = me
+        self.hidden_layers = hidden
         self.cache = PreallocatedCache(self.num_layers, capacity)
+
+    def finish(self) -> None:
+        """End the session: drop the cache and free the runtime for any thread. Does nothing
+        when no session is open.
+
+        Raises:
+            RuntimeError: another thread's session is open.
+        """
+        with self._owner_lock:
+            if self._owner is None:
+                return
+            if self._owner is not threading.current_thread() and self.busy:
+                raise RuntimeError("TargetRuntime.finish: the session belongs to another thread")
+            self.cache, self.hidden_layers = None, list(self._hidden)
+            self._owner = None
+
+    @contextmanager
+    def session(self, capacity: int, *, hidden_layers: Optional[Iterable[int]] = None):
+        """`start(capacity, hidden_layers=...)` for the block, `finish()` after it (exceptions
+        included); yields the runtime.
+
+        Raises:
+            RuntimeError(BUSY): a session is open (any thread's, this one's included).
+            ValueError: as `start`.
+        """
+        with self._owner_lock:
+            if self.busy:
+                raise RuntimeError(BUSY)
+            self._owner = threading.current_thread()
+        try:
+            self.start(capacity, hidden_layers=hidden_layers)
+            yield self
+        finally:
+            self.finish()
+
+    def _check_session(self, what: str) -> None:
+        if self._owner is not threading.current_thread():
+            if self.busy:
+                raise RuntimeError(BUSY)
+            raise RuntimeError(f"TargetRuntime.{what}: call start(capacity) first")
+        if self.cache is None:
+            raise RuntimeError(f"TargetRuntime.{what}: call start(capacity) first")
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
@@ -192,8 +354,7 @@ class TargetRuntime:
                 default plain causal.
             last_only: logits of the last row only (prefill).
         """
-        if self.cache is None:
-            raise RuntimeError("TargetRuntime.forward: call start(capacity) first")
+        self._check_session("forward")
         if self.fused is not None and ids.shape[0] == 1 and ids.shape[1] <= QUANT_MAX_ROWS:
             return self._fused_forward(ids, position_ids, attention_mask, last_only)
         with captured_hidden_states(self.model, self.hidden_layers) as hidden:
@@ -201,7 +362,7 @@ class TargetRuntime:
                              attention_mask=attention_mask, **{CACHE_KWARG: self.cache},
                              use_cache=True,
                              logits_to_keep=1 if last_only else 0)
-        return StepOutput(out.logits[0].float(), dict(hidden))
+        return StepOutput(RowLogits.computed(out.logits[0].float()), dict(hidden))
 
     def _fused_forward(self, ids, position_ids, attention_mask, last_only) -> StepOutput:
         """`forward` through one `llama_layers` call (see `fused`): the same maths as the
@@ -235,11 +396,16 @@ class TargetRuntime:
         hidden = {i: h.unsqueeze(0) for i, h in zip(capture, outs[1:])}
         if self.num_layers in self.hidden_layers:
             hidden[self.num_layers] = normed.unsqueeze(0)
-        logits = self.model.get_output_embeddings()(normed[-1:] if last_only else normed)
-        return StepOutput(logits.float(), hidden)
+        return StepOutput(RowLogits(normed[-1:] if last_only else normed,
+                                    self.model.get_output_embeddings()), hidden)
 
     def crop(self, length: int) -> None:
+        """Drop the cache rows past `length`."""
+        self._check_session("crop")
         self.cache.crop_to(length)
 
     def keep(self, start: int, rows: Sequence[int]) -> None:
+        """Keep rows [0, start) and then start + rows, in that order (a tree's accepted
+        path)."""
+        self._check_session("keep")
         self.cache.keep(start, rows)
