@@ -130,3 +130,12 @@ def test_tree_verification_reads_the_path_and_its_children():
     # row 0 with the root's children (rows 1, 2), then node 2's row (a leaf, for the bonus
     # token): 4 of 8 rows in 2 calls; nodes 3-6 are never computed
     assert head.calls == [3, 1]
+
+
+def test_computed_logits_are_served_as_they_are():
+    """A forward through the modules has every row already: no head call, no copy."""
+    full = torch.randn(5, VOCAB)
+    lazy = RowLogits.computed(full)
+    assert lazy.all() is full and torch.equal(lazy[3], full[3])
+    assert lazy[3].data_ptr() == full[3].data_ptr()
+    assert lazy.head_calls == 0 and len(lazy) == 5

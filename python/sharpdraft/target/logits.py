@@ -44,15 +44,16 @@ class RowLogits:
         self._head = head
         self._rows: Dict[int, torch.Tensor] = {}
         self._chunk = FIRST_CHUNK
+        self._full: Optional[torch.Tensor] = None   # every row as one tensor, when known
         self.head_calls = 0
         self.rows_computed = 0
 
     @classmethod
     def computed(cls, logits: torch.Tensor) -> "RowLogits":
         """Logits already computed, (rows, vocab) float32 (a forward through the modules)."""
-        out = cls(logits, lambda x: x)
-        out._compute(range(len(out)))
-        out.head_calls = 0
+        out = cls(logits, None)
+        out._rows = dict(enumerate(logits))      # views, no copy
+        out._full = logits
         return out
 
     def __len__(self) -> int:
@@ -99,5 +100,7 @@ class RowLogits:
 
     def all(self) -> torch.Tensor:
         """(rows, vocab) float32: every row (computed in one call where none is yet)."""
-        self._compute(range(len(self)))
-        return torch.stack([self._rows[r] for r in range(len(self))])
+        if self._full is None:
+            self._compute(range(len(self)))
+            self._full = torch.stack([self._rows[r] for r in range(len(self))])
+        return self._full
