@@ -1,10 +1,11 @@
 // ops.cpp: the torch.library schema of the target runtime's ops
 // (torch.ops.sharpdraft_cpu_runtime, the extension module sharpdraft_ext._cpu_runtime) and their
 // CPU kernels: the linear layers for the few rows of a decode or verification step (float32
-// panels, GGUF blocks) and llama_layers, whose kernel registers in decoder.cpp. The fake (meta)
-// kernels used by torch.compile live in sharpdraft_ext/cpu_runtime/_ops.py and call the check
-// ops below. The attention ops are another library, torch.ops.sharpdraft
-// (csrc/attention/ops.cpp), which llama_layers calls through the dispatcher.
+// panels, GGUF blocks); llama_layers and eagle3_layer, whose kernels register in decoder.cpp and
+// eagle3.cpp. The fake (meta) kernels used by torch.compile live in
+// sharpdraft_ext/cpu_runtime/_ops.py and call the check ops below. The attention ops are another
+// library, torch.ops.sharpdraft (csrc/attention/ops.cpp), which the fused layers call through
+// the dispatcher (decoder_layer.cpp).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -141,6 +142,14 @@ TORCH_LIBRARY(sharpdraft_cpu_runtime, m) {
       "int num_kv_heads, int head_dim, int intermediate_size, float eps, int[] capture, "
       "Tensor? seq_starts=None) "
       "-> Tensor[]");
+  // The EAGLE-3 drafter's layer and head (eagle3.cpp, which registers its CPU kernel).
+  m.def(
+      "eagle3_layer(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor key_cache, "
+      "Tensor value_cache, int start, Tensor? attn_mask, Tensor input_norm, Tensor hidden_norm, "
+      "Tensor post_norm, Tensor final_norm, Tensor qkv, Tensor o_proj, Tensor gate_up, "
+      "Tensor down, Tensor? head, int[] qtypes, int head_size, int num_heads, int num_kv_heads, "
+      "int head_dim, int intermediate_size, float eps, str mode, float slope, Tensor? slopes, "
+      "int n_ref, int topk, float contrast, float beta_min, float beta_max) -> Tensor[]");
   // Argument checks only (the meta checks of api.h: no output, no tensor values read): a
   // catch-all kernel, so they run on CPU, meta and fake tensors alike. The fake kernels in
   // sharpdraft_ext/cpu_runtime/_ops.py call them, so torch.compile rejects what eager rejects.

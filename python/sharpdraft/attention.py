@@ -99,6 +99,12 @@ def observe(callback):
         _OBSERVERS.remove(callback)
 
 
+def observed() -> bool:
+    """Whether an `observe` callback is active (fused code that bypasses `attend` checks it,
+    so analyses still see every attention call)."""
+    return bool(_OBSERVERS)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharp: SharpConfig,
            layer: Optional[int] = None, module: Optional[torch.nn.Module] = None,
            **kwargs) -> torch.Tensor:

@@ -103,6 +103,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("SHARPDRAFT_FUSED_LAYERS", _flag, True, "python",
            "0 turns off the one-call decoder (`llama_layers`) of a quantised Llama-style target, "
            "to measure against it."),
+    EnvVar("SHARPDRAFT_FUSED_DRAFTERS", _flag, True, "python",
+           "0 turns off the drafters' one-call CPU draft steps (EAGLE-3's `eagle3_layer`) for a "
+           "quantised target, to measure against them."),
     EnvVar("SHARPDRAFT_VLLM_MODE", _choice("off", "none", "fixed_slope", "exact_topk"), "off",
            "python",
            "The vLLM plugin: off (default: changes nothing), or the SharpDraft mode of the "

@@ -9,7 +9,9 @@ to ~96 rows of a decode or verification step (a prefill's many rows go to torch'
   (AVX2 maddubs, AVX-512 VNNI vpdpbusd), as llama.cpp computes them. `quant_unpack` gives the
   float32 weight the packed blocks hold; `quantize_activations` the int8 rows the kernel uses.
 - `llama_layers`: a Llama-style decoder stack on the packed blocks in one call (the attention
-  through the kernel's own op, sharpdraft::sharp_attention).
+  through the kernel's own op, sharpdraft::sharp_attention); `eagle3_layer`: the EAGLE-3
+  drafter's layer and draft-vocabulary head in one call (the attention with SharpDraft's
+  scaling).
 
 Packed layouts are this machine's (they follow the instruction set): pack again on another one.
 """
@@ -201,3 +203,56 @@ def llama_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return ops.llama_layers(x, cos, sin, key_cache, value_cache, start, attn_mask, input_norm,
                             post_norm, qkv, o_proj, gate_up, down, qtypes, num_heads,
                             num_kv_heads, head_dim, intermediate_size, eps, capture, seq_starts)
+
+
+def eagle3_layer(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 start: int, attn_mask: Optional[torch.Tensor], input_norm: torch.Tensor,
+                 hidden_norm: torch.Tensor, post_norm: torch.Tensor, final_norm: torch.Tensor,
+                 qkv: torch.Tensor, o_proj: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, head: Optional[torch.Tensor], qtypes: Sequence[int],
+                 head_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, eps: float, mode: str = "none", slope: float = 0.0,
+                 slopes: Optional[torch.Tensor] = None, n_ref: int = 1, topk: int = 0,
+                 contrast: float = 1.0, beta_min: float = 1.0,
+                 beta_max: float = 1.0) -> List[torch.Tensor]:
+    """The EAGLE-3 drafter's decoder layer and head on `quant_pack`ed weights in one call (CPU,
+    float32; the architecture of `sharpdraft.drafters.eagle3`, from the EAGLE-3 paper and its
+    public code): in = [RMSNorm(embeds) ; RMSNorm(hidden)], the fused q/k/v projection of that
+    2 * hidden input, rotary embedding, the KV cache write, SharpDraft attention (the sharp
+    kernel with `mode` and its parameters, as `sharpdraft_ext.sharp_attention` takes them),
+    x = hidden + o_proj(attention), x += down(SiLU(gate) * up) of RMSNorm(x), normed =
+    RMSNorm(x, final_norm) and logits = normed @ head.T. Each row's result depends on that row
+    and the cache only. `sharpdraft.drafters.eagle3_fused` builds the arguments from a drafter.
+
+    Args:
+        embeds, hidden: (rows, hidden) float32: the rows' token embeddings and hidden inputs
+            (fused target features or the previous draft's output).
+        cos, sin: (rows, head_dim) float32 rotary tables of the rows' positions.
+        key_cache, value_cache: (1, num_kv_heads, capacity, head_dim) float32, rows written in
+            place at start .. start + rows - 1.
+        start: the cache position of row 0; the rows attend over keys 0 .. start + rows - 1.
+        attn_mask: bool, broadcastable to (1, num_heads, rows, start + rows), True = visible, or
+            None (bottom-right causal).
+        input_norm, hidden_norm, post_norm, final_norm: RMSNorm weights (hidden,) float32.
+        qkv: q/k/v side by side, (num_heads + 2 num_kv_heads) head_dim outputs of 2 hidden
+            inputs; o_proj, gate_up (gate and up side by side), down: `quant_pack` weights,
+            every output width a multiple of `quant_panel_width()`.
+        head: the LM head's rows of the draft vocabulary, (head_size, hidden) packed, or None.
+        qtypes: formats of qkv, o_proj, gate_up, down (and head): 0 q4_0, 1 q4_1, 2 q8_0.
+        num_heads, num_kv_heads, head_dim, intermediate_size, eps: the layer's geometry.
+        mode, slope, slopes, n_ref, topk, contrast, beta_min, beta_max: the attention's
+            scaling (spec §1); slopes a per-head float32 (num_heads,) tensor or None.
+
+    Returns:
+        [normed (rows, hidden), x (rows, hidden)] and with a head its logits
+        (rows, head_size), float32.
+
+    Raises:
+        ValueError naming the argument whose shape, dtype or layout does not fit.
+    """
+    return ops.eagle3_layer(embeds, hidden, cos, sin, key_cache, value_cache, start, attn_mask,
+                            input_norm, hidden_norm, post_norm, final_norm, qkv, o_proj,
+                            gate_up, down, head, qtypes, head_size, num_heads, num_kv_heads,
+                            head_dim, intermediate_size, eps, mode, slope, slopes, n_ref, topk,
+                            contrast, beta_min, beta_max)

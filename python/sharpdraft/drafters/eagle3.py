@@ -194,6 +194,39 @@ class Eagle3Drafter(Drafter):
                    causal=attn_mask is None and q.shape[2] > 1, attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
 
+    def draft_step(self, target, embeds: torch.Tensor, hidden: torch.Tensor,
+                   positions: torch.Tensor, cache, attn_mask: Optional[torch.Tensor] = None):
+        """`step` and the draft head: (logits (B, L, draft vocab) float32, the next rows' hidden
+        input (B, L, H)); same arguments as `step`. Runs the fused CPU step
+        (`eagle3_fused.FusedEagle3Step`) where `prepare_for_target` built one and the call is
+        one it covers, else the modules."""
+        fused = self.__dict__.get("_fused_step")
+        if fused is not None and fused.covers(self, embeds, cache):
+            return fused(self, embeds, hidden, positions, cache, attn_mask)
+        normed, nxt = self.step(embeds, hidden, positions, cache, attn_mask)
+        return self.head(target, normed), nxt
+
+    def draft_head_weight(self, target) -> torch.Tensor:
+        """The (draft vocab, H) weight `head` applies: the target LM head's rows d2t (all of
+        them without a draft vocabulary)."""
+        w = target.get_output_embeddings().weight
+        return w if self.d2t is None else w[self.d2t]
+
+    def prepare_for_target(self, target, quantised: bool) -> None:
+        """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
+        calls, outside any timed region): the draft head's packed rows, and with `quantised`
+        (a target on quantised blocks) the fused CPU step on Q8_0 blocks (`eagle3_fused`;
+        none where it does not apply). A subclass with its own `head` gives its weight in
+        `draft_head_weight`."""
+        from . import eagle3_fused
+
+        if self.d2t is not None and type(self).head is Eagle3Drafter.head:
+            self._draft_head(target.get_output_embeddings())
+        fused = self.__dict__.get("_fused_step") if quantised else None
+        if quantised and (fused is None or not fused.fresh(self, target)):
+            fused = eagle3_fused.FusedEagle3Step.build(self, target)
+        self.__dict__["_fused_step"] = fused
+
     def write_keys(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    cache) -> None:
         """Append rows' keys and values to `cache` without attending: what `step` stores for
@@ -295,6 +328,9 @@ class Eagle3Drafter(Drafter):
         c = self.config
         cache = session_cache(target_cache, 1,
                               max(c.chain_length, max(0, c.tree_depth - 1) * c.tree_topk) + 1)
+        fused = self.__dict__.get("_fused_step")
+        if fused is not None and not fused.fresh(self, target):
+            self.prepare_for_target(target, quantised=True)   # weights changed since
         session = Eagle3Session(self, target, prompt_ids[0].tolist(),
                                 self.context_features(hidden_states), cache)
         session.absorb_prompt()
@@ -384,8 +420,8 @@ class Eagle3Session:
         self.pending = self.pending[:, end - c:]
 
     def _root(self, last: int, position: int):
-        """Run the pending rows (the last one pairs g_{P-1} with `last`); returns the output of
-        row P - 1 (normed, next hidden)."""
+        """Run the pending rows (the last one pairs g_{P-1} with `last`); returns row P - 1's
+        draft logits (draft vocab,) and next hidden input (1, 1, H)."""
         if position != len(self.tokens):
             raise ValueError(f"EAGLE-3 session: position {position} != committed length "
                              f"{len(self.tokens)}")
@@ -396,11 +432,12 @@ class Eagle3Session:
         # rows c .. P - 1 are context rows: each sees a sliding window of W keys before it (the
         # prefill's last row too), not the W cached keys plus every row of the call
         mask = window_mask(pos[0], position, self.drafter.context_window)
-        normed, hidden = self.drafter.step(self.emb(ids), self.drafter.fuse(self.pending), pos,
-                                           self.cache, mask)
+        logits, hidden = self.drafter.draft_step(self.target, self.emb(ids),
+                                                 self.drafter.fuse(self.pending), pos,
+                                                 self.cache, mask)
         self.pending = self.pending[:, :0]
         self.last = last
-        return normed[:, -1:], hidden[:, -1:]
+        return logits[0, -1], hidden[:, -1:]
 
     @torch.no_grad()
     def propose(self, last: int, position: int, draw, stop_below: float = 0.0) -> tuple:
@@ -408,10 +445,10 @@ class Eagle3Session:
         stop_below > 0, none after the first whose probability under softmax(row) is below it
         (`Drafter.drafts_one_by_one`)."""
         d = self.drafter
-        normed, hidden = self._root(last, position)
+        draft_logits, hidden = self._root(last, position)
         drafts, logits = [], []
         for j in range(d.config.chain_length):
-            row = d.to_target_vocab(self.target, d.head(self.target, normed[0]))[0]
+            row = d.to_target_vocab(self.target, draft_logits[None])[0]
             logits.append(row)
             drafts.append(draw(row))
             unsure = (stop_below > 0
@@ -419,8 +456,10 @@ class Eagle3Session:
             if j + 1 == d.config.chain_length or unsure:
                 break
             pos = torch.tensor([[position + j]], device=hidden.device)
-            normed, hidden = d.step(self.emb(torch.tensor([[drafts[-1]]], device=hidden.device)),
-                                    hidden, pos, self.cache)
+            step_logits, hidden = d.draft_step(
+                self.target, self.emb(torch.tensor([[drafts[-1]]], device=hidden.device)),
+                hidden, pos, self.cache)
+            draft_logits = step_logits[0, 0]
         crop_to(self.cache, position)         # keep the rows of committed positions only
         return drafts, torch.stack(logits)
 
@@ -434,8 +473,8 @@ class Eagle3Session:
         d = self.drafter
         cfg = d.config
         dev = self.pending.device
-        normed, hidden = self._root(last, position)
-        logp = torch.log_softmax(d.head(self.target, normed[0, -1]), dim=-1)
+        root_logits, hidden = self._root(last, position)
+        logp = torch.log_softmax(root_logits, dim=-1)
         top = logp.topk(cfg.tree_topk)
         to_target = (lambda i: int(d.d2t[i])) if d.d2t is not None else int
         # candidate nodes: target token, path log-probability, parent, depth
@@ -460,9 +499,9 @@ class Eagle3Session:
                     j = parents[j]
             ids = torch.tensor([[tokens[i] for i in frontier]], device=dev)
             pos = torch.full((1, len(frontier)), position + depth - 1, device=dev)
-            normed, hid = d.step(self.emb(ids), frontier_hidden, pos, self.cache,
-                                 attn_mask=vis[None, None])
-            logp = torch.log_softmax(d.head(self.target, normed[0]), dim=-1)   # (F, V)
+            step_logits, hid = d.draft_step(self.target, self.emb(ids), frontier_hidden, pos,
+                                            self.cache, attn_mask=vis[None, None])
+            logp = torch.log_softmax(step_logits[0], dim=-1)                   # (F, V)
             base = torch.tensor([scores[i] for i in frontier], device=dev)
             kid_tok, kid_score, kid_row, nxt = expand_frontier(base, logp, cfg.tree_topk)
             first = len(tokens)

@@ -531,6 +531,12 @@ class SpecForgeEagle3Drafter(Eagle3Drafter):
             return super().head(target, h)
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
 
+    def draft_head_weight(self, target) -> torch.Tensor:
+        """The weight `head` applies: the own lm_head's, else the target LM head's rows d2t."""
+        if self.lm_head is None:
+            return super().draft_head_weight(target)
+        return self.lm_head.weight
+
     def token_embeddings(self, target) -> nn.Module:
         """The own embed_tokens when the checkpoint has one, else the target's embedding."""
         return self.embed_tokens if self.embed_tokens is not None \

@@ -427,7 +427,7 @@ def _prefill(runtime: TargetRuntime, drafter, prompt_ids: torch.Tensor, temperat
         (session, result, tick, start): `result.tokens` holds the first token,
         `result.prefill_s` its time; `start` is the perf_counter value the run began at.
     """
-    prepare_drafter(drafter, quantised=is_quantised(runtime.model))
+    prepare_drafter(drafter, quantised=is_quantised(runtime.model), target=runtime.model)
     tick = _Progress(progress)
     start = time.perf_counter()
     out = runtime.forward(prompt_ids, last_only=True)

@@ -116,16 +116,22 @@ def captured_hidden_states(model: nn.Module, indices: Iterable[int]):
             h.remove()
 
 
-def prepare_drafter(drafter: nn.Module, *, quantised: bool = False) -> nn.Module:
+def prepare_drafter(drafter: nn.Module, *, quantised: bool = False,
+                    target: Optional[nn.Module] = None) -> nn.Module:
     """Prepack a drafter's own CPU linear layers by the same measured rule as the target's
     (`plan_linears`), once per setting; parameters and state_dict are untouched, and a packed
-    weight is repacked when training changes it (training itself runs F.linear).
+    weight is repacked when training changes it (training itself runs F.linear). With `target`,
+    also the drafter's own preparation for it (its `prepare_for_target(target, quantised)` hook
+    where it has one: the draft head's packed rows, a fused CPU draft step), so that nothing is
+    measured or packed inside a timed draft.
 
     Args:
         quantised: let the plan also weigh `QUANT_PATH` (the weight re-quantised to Q8_0, int8
-            activations) where it measures faster; for a target that runs on quantised blocks
-            itself, whose drafts then cost what its own steps cost. The drafts may change
-            slightly (8-bit weights); what is committed does not (the target verifies).
+            activations) where it measures faster, and let the drafter's hook build a fused
+            step on Q8_0 blocks; for a target that runs on quantised blocks itself, whose
+            drafts then cost what its own steps cost. The drafts may change slightly (8-bit
+            weights); what is committed does not (the target verifies).
+        target: the model the drafter will draft for (the runtime's prepared copy), or None.
     """
     done = getattr(drafter, "_sharpdraft_packed", None)
     if done is True:                 # a drafter that opts out (weights that train online)
@@ -134,6 +140,9 @@ def prepare_drafter(drafter: nn.Module, *, quantised: bool = False) -> nn.Module
     if done != paths:
         pack_linears(drafter, plan_linears(drafter, paths=paths))
         drafter._sharpdraft_packed = paths
+    hook = getattr(drafter, "prepare_for_target", None)
+    if target is not None and hook is not None:
+        hook(target, quantised)
     return drafter
 
 

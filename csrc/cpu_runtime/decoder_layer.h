@@ -1,0 +1,87 @@
+// decoder_layer.h: one Llama-style decoder layer on quantised weights, past its q/k/v input, for
+// the ops that run whole layers in C++: the target's stack (llama_layers, decoder.cpp) and the
+// drafters' fused steps (eagle3_layer, eagle3.cpp). Each row's result depends on that row and
+// the cache only; the small ops run through the same ATen calls as transformers' modules, so a
+// fused layer gives the modules' bits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace sharpdraft {
+namespace decoder {
+
+// The model's attention and MLP geometry.
+struct Geometry {
+  int64_t num_heads, num_kv_heads, head_dim, intermediate_size;
+  double eps;
+};
+
+// sharpdraft::sharp_attention's scaling arguments (mode .. beta_max; see its schema). The
+// default is plain attention (mode "none"), the target's.
+struct Scaling {
+  std::string mode = "none";
+  double slope = 0.0;
+  std::optional<at::Tensor> slopes;  // per-head float32 (num_heads,), replaces slope
+  int64_t n_ref = 1, topk = 0;
+  double contrast = 1.0, beta_min = 1.0, beta_max = 1.0;
+};
+
+// One layer's weights: contiguous quant_pack tensors (q/k/v and gate/up side by side), their
+// formats (0 q4_0, 1 q4_1, 2 q8_0) and the post-attention RMSNorm weight (hidden,).
+struct LayerWeights {
+  const at::Tensor& qkv;
+  const at::Tensor& o_proj;
+  const at::Tensor& gate_up;
+  const at::Tensor& down;
+  const at::Tensor& post_norm;
+  int64_t qtype_qkv, qtype_o, qtype_gate_up, qtype_down;
+};
+
+// Where a call's rows go: one sequence's rows written from `start` (seeing the bottom-right
+// causal keys, or attn_mask), or with seq_starts (rows,) one row per sequence r, batch r of
+// the cache, written at seq_starts[r] and seeing keys 0 .. seq_starts[r] (kv_lens).
+struct Rows {
+  int64_t start = 0;
+  const int64_t* seq_starts = nullptr;
+  int64_t end = 0;  // keys attended over: start + rows, or max(seq_starts) + 1
+  std::optional<at::Tensor> attn_mask;
+  std::optional<at::Tensor> kv_lens;
+};
+
+// Scratch tensors for m rows, reused across layers.
+struct Workspace {
+  at::Tensor qkv_out, attn, proj, gate_up;
+  Workspace(int64_t m, int64_t hidden, const Geometry& g, const at::TensorOptions& options);
+};
+
+// w * (x * rsqrt(mean(x^2) + eps)): LlamaRMSNorm's ATen calls on float32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+
+// y (m, n) = x (m, k) W^T from quant_pack'ed blocks, over at::parallel_for.
+void linear(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int64_t qtype,
+            int64_t n, float* y);
+
+// Checks that p is quant_pack's (n / W, k / 32, block bytes) uint8 tensor for qtype (W the
+// panel width); the message names `what` and the layer.
+void check_packed(const at::Tensor& p, int64_t qtype, int64_t n, int64_t k, const char* what,
+                  int64_t layer);
+
+// Checks a layer's KV cache pair: contiguous float32 (batch, num_kv_heads, >= end, head_dim).
+void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, const Geometry& g,
+                 int64_t end, int64_t layer);
+
+// The layer past its input RMSNorm(s): q/k/v = normed (m, K) W_qkv^T, rotary embedding (cos, sin
+// (m, head_dim)), the new keys / values written to the cache, attention with `scaling`, then
+// x += o_proj(attn); x += down(SiLU(gate) * up) of RMSNorm(x, post_norm). x (m, hidden) float32
+// contiguous, updated in place.
+void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, const Geometry& g,
+               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, const Rows& rows, const Scaling& scaling,
+               Workspace& ws);
+
+}  // namespace decoder
+}  // namespace sharpdraft
