@@ -149,9 +149,10 @@ def test_changed_weights_rebuild_the_blocks(target, monkeypatch):
     new = drafter.__dict__["_fused_step"]
     assert new is not old and new.fresh(drafter, target)
     assert not torch.equal(new.down, old.down)
-    monkeypatch.setenv("SHARPDRAFT_FUSED_DRAFTERS", "0")
+    drafter.prepare_for_target(target, quantised=True)       # unchanged: kept
+    assert drafter.__dict__["_fused_step"] is new
+    monkeypatch.setenv("SHARPDRAFT_FUSED_DRAFTERS", "0")     # off, weights unchanged
     assert eagle3_fused.problems(drafter, target) == ["SHARPDRAFT_FUSED_DRAFTERS=0"]
-    drafter.mlp.down_proj.weight.mul_(0.5)
     drafter.prepare_for_target(target, quantised=True)
     assert drafter.__dict__["_fused_step"] is None
 

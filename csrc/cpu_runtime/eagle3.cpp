@@ -60,19 +60,9 @@ std::vector<at::Tensor> eagle3_layer_cpu(
                     "cos and sin must be contiguous float32 (rows, head_dim)");
   TORCH_CHECK_VALUE(start >= 0, "start must be >= 0, got ", start);
   decoder::check_cache(key_cache, value_cache, 1, g, start + m, 0);
-  decoder::Rows rows;
-  rows.start = start;
-  rows.end = start + m;
-  rows.attn_mask = attn_mask;
-  decoder::Scaling scaling;
-  scaling.mode = std::string(mode);
-  scaling.slope = slope;
-  scaling.slopes = slopes;
-  scaling.n_ref = n_ref;
-  scaling.topk = topk;
-  scaling.contrast = contrast;
-  scaling.beta_min = beta_min;
-  scaling.beta_max = beta_max;
+  const decoder::Rows rows{start, nullptr, start + m, attn_mask, std::nullopt};
+  const decoder::Scaling scaling{std::string(mode), slope,    slopes,  n_ref,
+                                 topk,              contrast, beta_min, beta_max};
 
   at::Tensor x = hidden.contiguous().clone();
   const at::Tensor in = at::cat({decoder::rms_norm(embeds, input_norm, eps),

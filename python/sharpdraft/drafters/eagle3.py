@@ -222,10 +222,9 @@ class Eagle3Drafter(Drafter):
 
         if self.d2t is not None and type(self).head is Eagle3Drafter.head:
             self._draft_head(target.get_output_embeddings())
-        fused = self.__dict__.get("_fused_step") if quantised else None
-        if quantised and (fused is None or not fused.fresh(self, target)):
-            fused = eagle3_fused.FusedEagle3Step.build(self, target)
-        self.__dict__["_fused_step"] = fused
+        old = self.__dict__.get("_fused_step")
+        self.__dict__["_fused_step"] = (eagle3_fused.FusedEagle3Step.build(self, target, old)
+                                        if quantised else None)
 
     def write_keys(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    cache) -> None:

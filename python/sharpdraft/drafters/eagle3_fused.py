@@ -85,6 +85,7 @@ class FusedEagle3Step:
         head = drafter.draft_head_weight(target)
         self.head = q8(head)
         self.head_size = head.shape[0]
+        self.qtypes = (_Q8_0,) * 5        # qkv, o_proj, gate_up, down, head
         self.norms = [n.weight.detach().contiguous() for n in
                       (drafter.input_layernorm, drafter.hidden_norm,
                        drafter.post_attention_layernorm, drafter.norm)]
@@ -94,8 +95,14 @@ class FusedEagle3Step:
         self.key = weights_key(drafter, target)
 
     @classmethod
-    def build(cls, drafter, target) -> Optional["FusedEagle3Step"]:
-        return None if problems(drafter, target) else cls(drafter, target)
+    def build(cls, drafter, target, reuse: Optional["FusedEagle3Step"] = None
+              ) -> Optional["FusedEagle3Step"]:
+        """The step for `drafter` and `target`: None where `problems` names a reason, else
+        `reuse` while its weights are unchanged, else a new one."""
+        if problems(drafter, target):
+            return None
+        return reuse if reuse is not None and reuse.fresh(drafter, target) else cls(drafter,
+                                                                                   target)
 
     def fresh(self, drafter, target) -> bool:
         return self.key == weights_key(drafter, target)
@@ -131,7 +138,7 @@ class FusedEagle3Step:
             embeds[0].contiguous(), hidden[0].float().contiguous(), cos[0].contiguous(),
             sin[0].contiguous(), layer.key_buffer, layer.value_buffer, start, attn_mask,
             *self.norms, self.qkv, self.o_proj, self.gate_up, self.down, self.head,
-            (_Q8_0,) * 5, self.head_size, *self.geometry, mode=kw["mode"],
+            self.qtypes, self.head_size, *self.geometry, mode=kw["mode"],
             slope=0.0 if slopes is not None else float(slope), slopes=slopes,
             n_ref=int(kw["n_ref"]), topk=int(kw["topk"]), contrast=float(kw["contrast"]),
             beta_min=float(kw["beta_min"]), beta_max=float(kw["beta_max"]))
