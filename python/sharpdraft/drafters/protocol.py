@@ -17,8 +17,8 @@ target verifies the drafts, and `commit` hands the session what was accepted. Th
                     transformers' output_hidden_states (0 = embeddings, l + 1 = decoder layer l's
                     output); it holds the drafter's `hidden_layers` (a full output_hidden_states
                     tuple also works); prefill: the T prompt rows, commit: the verification rows
-    target_cache    the target runtime's KV cache after the prefill (a drafter may read it in
-                    place, never writes it; None outside the engine)
+    target_cache    the target's KV cache after the prefill (the runtime's, or a transformers
+                    Cache): a drafter may read it in place (LongSpark needs it), never writes it
     last, position  the last committed token id (int) and its position (int, 0-based: the number
                     of tokens committed before it)
     draw            draw(row) -> int: the token drawn from one row of float32 logits (target
