@@ -48,8 +48,8 @@ from transformers.activations import ACT2FN
 
 from ..config_checks import DEFAULT_TRAIN_CONTEXT, ConfigKindError, check_draft_threshold, is_int
 from .files import CONFIG_FILE
-from .public import (DRAFT_THRESHOLD_KEY, EXTRAS_KEY, PublicFormat, read_extensions,
-                     read_options)
+from .public import (DRAFT_THRESHOLD_KEY, EXTRAS_KEY, PublicFormat, read_extensions, read_options,
+                     write_extensions)
 
 # model_type -> the architecture class name a public checkpoint of that family declares
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -292,12 +292,7 @@ class AMDPARDConfig:
             else:
                 out[key] = self.pard_token
         out.update(pard_token=self.pard_token, spd_type=SPD_TYPE)
-        if self.records_train_context:
-            out["train_context"] = self.train_context_length
-        if self.sharp_slopes is not None:
-            out["sharp_slopes"] = self.sharp_slopes
-        if self.draft_threshold:
-            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
+        write_extensions(out, self)
         out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS
                            if getattr(self, k) is not None}
         return out

@@ -285,6 +285,18 @@ def read_extensions(raw: dict, where) -> dict:
             "draft_threshold": read_draft_threshold(raw, where)}
 
 
+def write_extensions(out: dict, config) -> None:
+    """Write into config.json's dict `out` what `read_extensions` reads back from `config`:
+    train_context (when the config records one), sharp_slopes (when calibrated) and
+    draft_threshold (when measured, > 0)."""
+    if config.records_train_context:
+        out["train_context"] = config.train_context
+    if config.sharp_slopes is not None:
+        out["sharp_slopes"] = config.sharp_slopes
+    if config.draft_threshold:
+        out[DRAFT_THRESHOLD_KEY] = config.draft_threshold
+
+
 def read_options(raw: dict, where, options: tuple, nullable: tuple = ()) -> dict:
     """SharpDraft's inference options of a public config.json, the object under "sharpdraft"
     ({option: integer >= 1}; an option of `nullable` may be null, then left out): {option: value}

@@ -53,7 +53,7 @@ from ..eagle3 import Eagle3Config
 from .files import CONFIG_FILE
 from .public import (DRAFT_THRESHOLD_KEY, EXTRAS_KEY, ROPE_TYPES, PublicFormat, check_int_fields,
                      check_layer_fields, read_extensions, read_int, read_number, read_options,
-                     read_rope)
+                     read_rope, write_extensions)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForge's name)
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
@@ -351,12 +351,7 @@ class SpecForgeEagle3Config(Eagle3Config):
         out["eagle_config"] = dict(self.eagle_extra, **{AUX_KEY: list(self.target_layer_ids)})
         if self.norm_features:
             out["fc_norm"] = True
-        if self.records_train_context:
-            out["train_context"] = self.train_context
-        if self.sharp_slopes is not None:
-            out["sharp_slopes"] = self.sharp_slopes
-        if self.draft_threshold:
-            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
+        write_extensions(out, self)
         out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS}
         return out
 

@@ -26,7 +26,7 @@ from transformers import Qwen3Config
 from ..config_checks import DEFAULT_TRAIN_CONTEXT, ConfigKindError, check_draft_threshold, is_int
 from .files import CONFIG_FILE
 from .public import (DRAFT_THRESHOLD_KEY, PublicFormat, check_int_fields, check_layer_fields,
-                     read_draft_threshold)
+                     read_draft_threshold, write_extensions)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -332,12 +332,7 @@ class ZLabDFlashConfig:
             dflash["causal"] = self.causal
         if self.target_hidden_size != self.hidden_size:
             out["target_hidden_size"] = self.target_hidden_size
-        if self.train_context_length is not None:
-            out["train_context"] = self.train_context_length
-        if self.sharp_slopes is not None:
-            out["sharp_slopes"] = self.sharp_slopes
-        if self.draft_threshold:
-            out[DRAFT_THRESHOLD_KEY] = self.draft_threshold
+        write_extensions(out, self)
         out["dflash_config"] = dflash
         return out
 
