@@ -1,4 +1,4 @@
-"""Online adaptation (analysis.adapt): lossless, updates only what it should, learns from the
+"""Online adaptation (eval.adapt): lossless, updates only what it should, learns from the
 target's verified distributions, and the Table-1 runner reports every method."""
 import json
 

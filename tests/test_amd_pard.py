@@ -10,8 +10,9 @@ import pytest
 import torch
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import registry
-from sharpdraft.drafters.amd_pard import AMDPARDConfig, AMDPARDDrafter
-from sharpdraft.drafters.base import ConfigKindError
+from sharpdraft.drafters.amd_pard import AMDPARDDrafter
+from sharpdraft.drafters.config_checks import ConfigKindError
+from sharpdraft.drafters.formats.amd_pard import AMDPARDConfig
 from sharpdraft.drafters.loading import detect_kind, load_drafter
 from sharpdraft.drafters.pard import PARDDrafter
 from sharpdraft.inference.engine import speculative_generate

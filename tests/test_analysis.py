@@ -308,7 +308,7 @@ def _report(leads_by_scaling, anchors=((0, 10), (0, 20), (1, 15), (1, 30))):
 
 
 def test_compare_pairs_checkpoints_anchor_by_anchor():
-    """analysis.sweep.compare: the paired difference is the mean of the per-anchor differences
+    """eval.sweep.compare: the paired difference is the mean of the per-anchor differences
     (by hand), the base comes first, and mismatched anchors or missing leads are refused."""
     from sharpdraft.eval import sweep
     base = _report({"frozen": [0, 1, 2, 1], "slope 0.2": [0, 1, 2, 3]})
@@ -360,7 +360,7 @@ def test_cli_analyze_compare(tmp_path, capsys):
 
 
 def test_long_decode_buckets_every_step_by_output_length(tmp_path):
-    """analysis.long_decode: one row per (scaling, bucket) whose steps add up to each run's
+    """eval.long_decode: one row per (scaling, bucket) whose steps add up to each run's
     verification steps; the text is the same under every scaling (lossless greedy)."""
     from sharpdraft.eval import long_decode
     target = tiny_target()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters.base import window_mask
+from sharpdraft.drafters.layers import window_mask
 from sharpdraft.drafters.pard import PARDDrafter, conditional_keep, parallel_draft_mask
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft_helpers import tiny_pard, tiny_target

@@ -12,15 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import registry
-from sharpdraft.drafters.base import ConfigKindError
+from sharpdraft.drafters.config_checks import ConfigKindError
 from sharpdraft.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from sharpdraft.drafters.formats.specforge_eagle3 import SpecForgeEagle3Config, default_aux_layers
 from sharpdraft.drafters.loading import detect_kind, load_drafter
-from sharpdraft.drafters.specforge_eagle3 import (
-    SpecForgeEagle3Config,
-    SpecForgeEagle3Drafter,
-    default_aux_layers,
-    from_drafter,
-)
+from sharpdraft.drafters.specforge_eagle3 import SpecForgeEagle3Drafter, from_drafter
 from sharpdraft.drafters.zlab_dflash import ZLabDFlashDrafter
 from sharpdraft.inference.engine import speculative_generate, tree_speculative_generate
 from sharpdraft_helpers import TARGET_FAMILIES, tiny_target, write_public_folder

@@ -10,13 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters.base import ConfigKindError
+from sharpdraft.drafters.config_checks import ConfigKindError
 from sharpdraft.drafters.dflash import DFlashDrafter
-from sharpdraft.drafters.zlab_dflash import (
-    ZLabDFlashConfig,
-    ZLabDFlashDrafter,
-    build_target_layer_ids,
-)
+from sharpdraft.drafters.formats.zlab_dflash import ZLabDFlashConfig, build_target_layer_ids
+from sharpdraft.drafters.zlab_dflash import ZLabDFlashDrafter
 from sharpdraft.inference.engine import speculative_generate
 from sharpdraft_helpers import tiny_drafter, tiny_target, write_public_folder
 from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -9,9 +9,9 @@
     sharpdraft bench --drafter pard --out bench-pard --lengths 1024 2048 --maths 1
 
 Without --drafter-path the default target (SmolLM2-135M-Instruct) drafts with the shipped trained
-checkpoint of --drafter (dflash, eagle3 or pard: sharpdraft/checkpoints/<drafter>-smollm2, from
-`sharpdraft train <drafter>`); other targets get an untrained drafter (seeded: lossless, tau about
-1), as does --drafter-path untrained.
+checkpoint of --drafter (dflash, eagle3, pard or longspark:
+sharpdraft/checkpoints/<drafter>-smollm2, from `sharpdraft train <drafter>`); other targets get an
+untrained drafter (seeded: lossless, tau about 1), as does --drafter-path untrained.
 
     sharpdraft train dflash --out my-drafter --tokens 131072 --steps 1000 --threads 2
     sharpdraft train eagle3 --corpus corpus --out my-eagle --max-minutes 12 --threads 2

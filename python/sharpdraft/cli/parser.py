@@ -270,7 +270,7 @@ def parser() -> argparse.ArgumentParser:
                      help="anchors per bucket and sequence")
     asw.add_argument("--decode", type=int, default=0, metavar="N",
                      help="real greedy decoding of N new tokens on long-output prompts "
-                          "(analysis.long_decode), tau by output length, instead of the "
+                          "(eval.long_decode), tau by output length, instead of the "
                           "teacher-forced proxy (0: off)")
     asw.add_argument("--bucket", type=int, default=256,
                      help="with --decode: output-length bucket in tokens")

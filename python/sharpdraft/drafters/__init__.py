@@ -4,7 +4,7 @@ LongSpark).
 Every drafter borrows the target's embeddings and LM head, drafts over a reduced vocabulary, runs
 its attention through `sharpdraft_ext.sharp_attention` (its `sharp` SharpConfig: mode "none" is the
 frozen drafter, "fixed_slope" SharpDraft), and plugs into `sharpdraft.inference` through the
-session protocol of `drafters.base`. `drafters.registry` lists the kinds (class, untrained
+session protocol of `drafters.protocol`. `drafters.registry` lists the kinds (class, untrained
 builder, training recipe, shipped checkpoint); `load_drafter` builds one for a target.
 
 Layer: above `target`; below inference, training and the rest.

@@ -25,9 +25,11 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import (Drafter, HeadProjections, check_config, draw_rows, feature_layer_problems,
-                   last_keys, llama_config, session_cache, state_bytes, target_geometry)
+from .base import Drafter
 from .common import evenly_spaced_layers
+from .config_checks import check_config, feature_layer_problems, llama_config, target_geometry
+from .layers import HeadProjections, last_keys
+from .sessions import draw_rows, session_cache, state_bytes
 
 
 @dataclass
@@ -297,7 +299,7 @@ class DFlashDrafter(Drafter):
         h = self(target.get_input_embeddings()(ids), pos, new_context, ctx_pos, cache=cache)
         return self.to_target_vocab(target, self.head(target, h[0, 1:]))
 
-    # ----- inference sessions (see drafters.base) --------------------------------------------
+    # ----- inference sessions (drafters.protocol) --------------------------------------------
     def target_problems(self, target) -> List[str]:
         """The base checks, the target features read (target_hidden_size, target_layer_ids)
         and the mask token (an id of the target's vocabulary)."""

@@ -36,9 +36,10 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding, apply_rotary_pos_emb)
 
 from ..attention import SharpConfig, attend
-from .base import (Drafter, HeadProjections, check_config, crop_to, feature_layer_problems,
-                   last_keys, llama_config, session_cache, state_bytes, target_geometry,
-                   window_mask)
+from .base import Drafter
+from .config_checks import check_config, feature_layer_problems, llama_config, target_geometry
+from .layers import HeadProjections, last_keys, window_mask
+from .sessions import crop_to, session_cache, state_bytes
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from . import registry
-from .base import CONFIG_FILE, Drafter
+from .base import Drafter
+from .formats.files import CONFIG_FILE
 
 
 def public_kind(drafter: Drafter) -> registry.DrafterKind:

@@ -9,7 +9,9 @@ from sharpdraft_ext.defaults import DEFAULT_SLOPE
 
 from ..attention import SharpConfig
 from . import registry
-from .base import CONFIG_FILE, DEFAULT_TRAIN_CONTEXT, ConfigKindError, Drafter
+from .base import Drafter
+from .config_checks import DEFAULT_TRAIN_CONTEXT, ConfigKindError
+from .formats.files import CONFIG_FILE
 
 SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
 

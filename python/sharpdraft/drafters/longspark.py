@@ -47,9 +47,12 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm,
 import sharpdraft_ext as ext
 
 from ..attention import SharpConfig, attend
-from .base import (Drafter, HeadProjections, check_config, feature_layer_problems, llama_config,
-                   require_llama_layers, state_bytes, target_geometry)
+from .base import Drafter
 from .common import evenly_spaced_layers
+from .config_checks import (check_config, feature_layer_problems, llama_config,
+                            require_llama_layers, target_geometry)
+from .layers import HeadProjections
+from .sessions import state_bytes
 
 SCOPES = ("summary", "slots")
 PLAIN = SharpConfig(mode="none")

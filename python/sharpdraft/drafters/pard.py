@@ -32,9 +32,10 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaRM
 
 from ..attention import SharpConfig, register
 from ..target.kv_cache import CACHE_KWARG
-from .base import (Drafter, check_config, crop_to, draw_rows, llama_config,
-                   require_llama_layers, session_cache, state_bytes, target_geometry,
-                   window_mask)
+from .base import Drafter
+from .config_checks import check_config, llama_config, require_llama_layers, target_geometry
+from .layers import window_mask
+from .sessions import crop_to, draw_rows, session_cache, state_bytes
 
 
 @dataclass
@@ -210,7 +211,7 @@ class PARDDrafter(Drafter):
         h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
         return self.head(target, h[0] if wanted is None else h[0, wanted[keep]])
 
-    # ----- inference sessions (see drafters.base) --------------------------------------------
+    # ----- inference sessions (drafters.protocol) --------------------------------------------
     @property
     def max_drafts(self) -> int:
         return self.config.num_draft_tokens

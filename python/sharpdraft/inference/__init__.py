@@ -4,7 +4,7 @@ target-only decoding for the corpus (`batched`); the one sampler both use (`samp
 temperature, top-p).
 
 Layer: above `target` and `drafters` (it talks to drafters only through the session protocol of
-`drafters.base`); below data, training, eval and the CLI.
+`drafters.protocol`); below data, training, eval and the CLI.
 """
 from .decode import generate, prompt_ids
 from .engine import (GenerationResult, autoregressive_generate, seq_rep, speculative_generate,

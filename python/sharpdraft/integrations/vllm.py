@@ -49,7 +49,7 @@ import torch
 import sharpdraft_ext as ext
 from sharpdraft_ext.defaults import DEFAULT_SLOPE
 from sharpdraft import settings
-from sharpdraft.drafters.base import DEFAULT_TRAIN_CONTEXT
+from sharpdraft.drafters.config_checks import DEFAULT_TRAIN_CONTEXT
 
 ENV_MODE = "SHARPDRAFT_VLLM_MODE"
 ENV_SLOPE = "SHARPDRAFT_VLLM_SLOPE"

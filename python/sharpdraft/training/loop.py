@@ -86,7 +86,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, seq_len: int 
                         "(float32 weights, gradients and AdamW state; bfloat16 matmuls): "
                         "faster where the CPU has AMX or on a GPU, much slower on an AVX2-only "
                         "CPU; auto: bfloat16 where a measurement on this device finds it faster "
-                        "(runtime.choose_autocast); held-out evaluations stay float32")
+                        "(target.precision.choose_autocast); held-out evaluations stay float32")
     p.add_argument("--cache-dtype", choices=["float32", "bfloat16", "auto"], default="float32",
                    help="precision of the target forwards that fill the train split's feature "
                         "cache: bfloat16 runs them under autocast (float32 weights and "
@@ -203,8 +203,8 @@ def reuse_cache_dtype(args, tokenizer, provenance, layer_ids: List[int]) -> None
 
 def resolve_precision(args, target) -> None:
     """Replace `--autocast auto` / `--cache-dtype auto` on `args` by what
-    `runtime.choose_autocast` measures for `target` on its device (bfloat16 or off / float32),
-    said on stderr and kept as args.precision_rule_ms (training.json records args)."""
+    `target.precision.choose_autocast` measures for `target` on its device (bfloat16 or off /
+    float32), said on stderr and kept as args.precision_rule_ms (training.json records args)."""
     wanted = [o for o in ("autocast", "cache_dtype") if getattr(args, o, None) == "auto"]
     if not wanted:
         return

@@ -1,61 +1,127 @@
-"""Checkpoint folders in the public (Hugging Face) layouts: what every public-format adapter reads
-and writes the same way.
+"""Checkpoint files, the same for every drafter layout (SharpDraft's own and the public ones):
+config.json, the weights and their header, an atomic save.
 
-A public drafter folder holds config.json and its weights as model.safetensors, as shards listed
-by model.safetensors.index.json ({"weight_map": {tensor name: shard file}}), or as a
+A drafter folder holds config.json and its weights as model.safetensors, as shards listed by
+model.safetensors.index.json ({"weight_map": {tensor name: shard file}}), or as a
 pytorch_model.bin, which is read only with `torch.load(..., weights_only=True)` (tensors, never
-pickled code). Shapes are checked from the safetensors headers before any weight is read.
+pickled code); SharpDraft's own layout is always one model.safetensors. Tensor names and shapes
+come from the safetensors headers (`safetensors.safe_open`: no weight is read), so a folder is
+checked against its config before any weight is loaded. Every error is one line naming the folder
+and the file (and the tensor or field).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .base import (CONFIG_FILE, WEIGHTS_FILE, ConfigKindError, check_draft_threshold,
-                   read_config_json, read_safetensors_header, weights_problems)
-
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 
 
-def read_public_config(folder, config_class, overrides: Optional[dict] = None):
-    """`config_class.from_public(raw, where)` of a public folder's config.json, with `overrides`
-    ({field: value} of the config dataclass, e.g. a tree shape) applied and validated.
+def read_config_json(folder) -> object:
+    """The parsed JSON of a checkpoint folder's config.json (any JSON value; callers check its
+    type).
 
     Raises:
-        FileNotFoundError naming the folder: not a folder, or no config.json.
-        ConfigKindError: config.json is another kind's (as `from_public` decides).
-        ValueError naming the folder, config.json and the field (or the override).
+        FileNotFoundError naming the folder: it is not a folder or lacks config.json.
+        ValueError naming the folder and config.json: not UTF-8 text, or not JSON (with the
+            position of the error).
     """
     folder = Path(folder)
-    raw = read_config_json(folder)
-    where = f"drafter checkpoint {folder}: {CONFIG_FILE}"
+    path = folder / CONFIG_FILE
+    if not folder.is_dir():
+        why = "a file, not a folder" if folder.exists() else "no such folder"
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE} ({why})")
+    if not path.is_file():
+        raise FileNotFoundError(f"drafter checkpoint {folder}: missing {CONFIG_FILE}")
     try:
-        config = config_class.from_public(raw, where)
-    except ConfigKindError:
-        raise
-    except ValueError as err:
-        msg = str(err)
-        raise ValueError(msg if msg.startswith(where) else f"{where}: {msg}") from None
-    if overrides:
-        names = {f.name for f in dataclasses.fields(config_class) if f.init}
-        bad = sorted(set(overrides) - names)
-        if bad:
-            raise ValueError(f"overrides: {', '.join(bad)} not field(s) of "
-                             f"{config_class.__name__}")
-        try:
-            config = dataclasses.replace(config, **overrides)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"{where} (with overrides): {err}") from None
-    return config
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not UTF-8 text "
+                         f"(byte offset {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"drafter checkpoint {folder}: {CONFIG_FILE} is not JSON "
+                         f"({err.msg} at line {err.lineno} column {err.colno})") from None
+
+
+def tensor_shapes(path) -> Dict[str, tuple]:
+    """{tensor name: shape} of a safetensors file, from its header alone (`safetensors.safe_open`,
+    which also checks that the header is whole and that the file is exactly as long as the header
+    says).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError naming the file: not a safetensors file (too short for a header, a header that
+            is not safetensors JSON), or truncated (or padded) against its header.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except SafetensorError as err:
+        raise ValueError(_refusal(path, size, str(err))) from None
+
+
+def _refusal(path: Path, size: int, message: str) -> str:
+    """One line on why safetensors refused the file at `path` ({size} bytes; `message`: its
+    error, "Error while deserializing header: <reason>")."""
+    reason = message.split(": ", 1)[-1]
+    if "not fully covered" in reason:          # the header is valid; the length is not its own
+        expected = _described_size(path)
+        if size < expected:
+            return f"{path.name} is truncated ({size} bytes, header says {expected})"
+        return (f"{path.name} has {size - expected} bytes past its last tensor ({size} bytes, "
+                f"header says {expected}): not a whole safetensors file")
+    if "invalid header length" in reason:
+        return (f"{path.name} is truncated or not a safetensors file ({size} bytes, fewer than "
+                f"the header its first 8 bytes announce)")
+    if "invalid JSON in header" in reason:
+        return (f"{path.name} is not a safetensors file (its header is not JSON of tensor "
+                f"entries: {reason.split(': ', 1)[-1]})")
+    return f"{path.name} is not a safetensors file ({size} bytes: {reason})"
+
+
+def _described_size(path: Path) -> int:
+    """The file length a safetensors header describes (8 + header + the end of its last
+    tensor), read only to word the error of a header safetensors parsed but found the file
+    not fully covered by."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"),
+                       default=0)
+
+
+def weights_problems(expected: Dict[str, tuple], found: Dict[str, tuple]) -> List[str]:
+    """How the tensors `found` ({name: shape}, e.g. `tensor_shapes`) differ from the `expected`
+    ({name: shape}, a state_dict's names and shapes): each mismatching shape (file vs config),
+    then the missing and the unexpected tensor names; empty when they match."""
+    problems = []
+    for name, shape in expected.items():
+        if name in found and tuple(found[name]) != tuple(shape):
+            problems.append(f"{name} has shape {tuple(found[name])} in the file, the "
+                            f"config implies {tuple(shape)}")
+    missing = [k for k in expected if k not in found]
+    if missing:
+        problems.append(f"missing tensor(s) {', '.join(missing[:4])}"
+                        + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                        + f" (the config implies {tuple(expected[missing[0]])} for {missing[0]})")
+    unexpected = [k for k in found if k not in expected]
+    if unexpected:
+        problems.append(f"unexpected tensor(s) {', '.join(unexpected[:4])}"
+                        + (f" and {len(unexpected) - 4} more" if len(unexpected) > 4 else "")
+                        + " (no place for them in a model of this config)")
+    return problems
 
 
 def weight_index(folder) -> Tuple[str, Dict[str, tuple], Optional[dict]]:
@@ -105,14 +171,14 @@ def weight_index(folder) -> Tuple[str, Dict[str, tuple], Optional[dict]]:
             raise FileNotFoundError(f"drafter checkpoint {folder}: {INDEX_FILE} names {fname}, "
                                     f"which is missing")
         try:
-            header = read_safetensors_header(path)
+            header = tensor_shapes(path)
         except ValueError as err:
             raise ValueError(f"drafter checkpoint {folder}: {err}") from None
         for name in (listed if listed is not None else header):
             if name not in header:
                 raise ValueError(f"drafter checkpoint {folder}: {INDEX_FILE} puts tensor {name} "
                                  f"in {fname}, which lacks it")
-            shapes[name] = (fname, tuple(header[name]["shape"]))
+            shapes[name] = (fname, header[name])
     kind = "safetensors" if len(files) == 1 and WEIGHTS_FILE in files else "sharded"
     return kind, shapes, None
 
@@ -126,7 +192,7 @@ def check_tensors(folder, expected: Dict[str, tuple], shapes: Dict[str, tuple],
     Raises:
         ValueError naming the folder, the file(s), the first difference and how many follow.
     """
-    problems = weights_problems(expected, {k: {"shape": list(s)} for k, (_, s) in shapes.items()})
+    problems = weights_problems(expected, {k: s for k, (_, s) in shapes.items()})
     if not problems:
         return
     files = ", ".join(sorted({f for f, _ in shapes.values()}) or [WEIGHTS_FILE])
@@ -170,7 +236,7 @@ def weights_dtype(folder, state: Dict[str, torch.Tensor], name: str) -> torch.dt
     return dtype
 
 
-def _replace_atomically(path: Path, write) -> None:
+def replace_atomically(path: Path, write) -> None:
     """`write(temporary path)` next to `path`, then rename it to `path` (never half-written)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
@@ -193,31 +259,10 @@ def save_folder(folder, config: dict, state: Dict[str, torch.Tensor],
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    _replace_atomically(folder / WEIGHTS_FILE,
+    replace_atomically(folder / WEIGHTS_FILE,
                         lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _replace_atomically(folder / CONFIG_FILE,
+    replace_atomically(folder / CONFIG_FILE,
                         lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     for name in drop:
         (folder / name).unlink(missing_ok=True)
     return folder
-
-
-DRAFT_THRESHOLD_KEY = "draft_threshold"     # SharpDraft's extension, top level of config.json
-
-
-def read_draft_threshold(raw: dict, where) -> float:
-    """A public config.json's top-level `draft_threshold`: chain drafting's measured default
-    (`Drafter.default_draft_threshold`), which our export writes so that an exported drafter
-    drafts as it did before export; 0.0 (every draft verified) when absent or null.
-
-    Raises:
-        ValueError naming `where` and the field: not a number in [0, 1].
-    """
-    value = raw.get(DRAFT_THRESHOLD_KEY)
-    return 0.0 if value is None else check_draft_threshold(
-        value, f"{where}: {DRAFT_THRESHOLD_KEY}")
-
-
-def is_int(v) -> bool:
-    """An int that is not a bool (JSON integers)."""
-    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,55 @@
+"""Pieces the drafters' attention modules share: Llama q/k/v/o projections with the head
+split / merge, the last keys of a context window, and the inference mask of a windowed step."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class HeadProjections(nn.Module):
+    """q/k/v projections from `in_features` and the output projection back to hidden_size, as
+    in a Llama attention block (no biases), with the head split/merge helpers."""
+
+    def __init__(self, config, in_features: int):
+        super().__init__()
+        d = config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(in_features, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, config.hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """(B, L, n * d) -> (B, n, L, d)."""
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, L, d) attention output -> (B, L, hidden)."""
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int = 0,
+              attn_mask: Optional[torch.Tensor] = None) -> tuple:
+    """Views of the last `window` context keys (plus the `own` rows of the current step at the
+    end), and the matching columns of `attn_mask`; everything when window is None."""
+    if window is None or k.shape[2] <= window + own:
+        return k, v, attn_mask
+    keep = window + own
+    return (k[:, :, -keep:], v[:, :, -keep:],
+            None if attn_mask is None else attn_mask[..., -keep:])
+
+
+def window_mask(rows: torch.Tensor, first_draft: int,
+                window: Optional[int]) -> Optional[torch.Tensor]:
+    """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
+    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window.
+    None when window is None or no row would lose a key (plain bottom-right causal)."""
+    if window is None or min(int(rows[-1]), first_draft) - window <= 0:
+        return None
+    keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
+    start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
+    return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
+
