@@ -3,12 +3,14 @@ gives, the training-time-test forward matches inference, and nothing depends on 
 length."""
 import pytest
 import torch
+from transformers import DynamicCache
 
 import sharpdraft_ext as ext
 from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters import eagle3 as e3
-from sharpdraft.drafters.eagle3 import DraftTree, Eagle3Drafter
+from sharpdraft.drafters.eagle3 import Eagle3Drafter
+from sharpdraft.drafters.eagle3_session import Eagle3Session
+from sharpdraft.drafters.trees import DraftTree, expand_frontier
 from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
                                          tree_speculative_generate, verify_tree)
 from sharpdraft_helpers import tiny_eagle3, tiny_target
@@ -55,7 +57,7 @@ def test_prompt_keys_written_at_start_draft_as_the_full_first_pass(target, windo
     out = runtime.forward(prompt, last_only=True)
     eager = drafter.start(target, prompt, out.hidden, runtime.cache)
     assert eager.cache.get_seq_length() == 18 and eager.pending.shape[1] == 1
-    lazy = e3.Eagle3Session(drafter, target, prompt[0].tolist(),
+    lazy = Eagle3Session(drafter, target, prompt[0].tolist(),
                             drafter.context_features(out.hidden), DynamicCache())
     last = int(out.logits[-1].argmax())
     a, la = eager.propose(last, 19, lambda row: int(row.argmax()))
@@ -208,7 +210,7 @@ def test_ttt_forward_matches_chain_inference(target, skip):
     emb = target.get_input_embeddings()
     for t in (0, 5, 9):
         with torch.no_grad():
-            cache = e3.DynamicCache()
+            cache = DynamicCache()
             pos = positions[None, :t + 1]
             normed, hidden = drafter.step(emb(ids[None, 1:t + 2]), drafter.fuse(feats[None, :t + 1]),
                                           pos, cache)
@@ -408,7 +410,7 @@ def test_expand_frontier_keeps_every_child_and_expands_the_best():
     gen = torch.Generator().manual_seed(3)
     scores = -torch.rand(3, generator=gen, dtype=torch.float64)
     logp = torch.log_softmax(torch.randn(3, 11, generator=gen, dtype=torch.float64), -1)
-    tok, score, row, nxt = e3.expand_frontier(scores, logp, 4)
+    tok, score, row, nxt = expand_frontier(scores, logp, 4)
     want = sorted(((float(scores[f] + logp[f, v]), f, v) for f in range(3) for v in range(11)),
                   reverse=True)
     for f in range(3):                        # node f's 4 best children, in its rows

@@ -5,7 +5,8 @@ import torch
 
 import sharpdraft_ext as ext
 from sharpdraft.attention import SharpConfig
-from sharpdraft.drafters.longspark import LongSparkConfig, LongSparkDrafter, merge_lse
+from sharpdraft.drafters.layers import merge_lse
+from sharpdraft.drafters.longspark import LongSparkConfig, LongSparkDrafter
 from sharpdraft.inference.engine import autoregressive_generate, speculative_generate
 from sharpdraft.target.kv_cache import PreallocatedCache
 from sharpdraft.target.runtime import TargetRuntime

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from sharpdraft.drafters.eagle3 import DraftTree
+from sharpdraft.drafters.trees import DraftTree
 from sharpdraft.inference.engine import _verify, verify_tree
 from sharpdraft.target import logits as row_logits
 from sharpdraft.target.logits import RowLogits

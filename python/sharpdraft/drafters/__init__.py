@@ -11,10 +11,11 @@ Layer: above `target`; below inference, training and the rest.
 """
 from .base import Drafter
 from .dflash import DFlashConfig, DFlashDrafter
-from .eagle3 import DraftTree, Eagle3Config, Eagle3Drafter
+from .eagle3 import Eagle3Config, Eagle3Drafter
 from .loading import load_drafter, sharp_config, shipped_checkpoint
 from .longspark import LongSparkConfig, LongSparkDrafter
 from .pard import PARDConfig, PARDDrafter
+from .trees import DraftTree
 
 __all__ = ["Drafter", "DFlashConfig", "DFlashDrafter", "DraftTree", "Eagle3Config",
            "Eagle3Drafter", "LongSparkConfig", "LongSparkDrafter", "PARDConfig", "PARDDrafter",

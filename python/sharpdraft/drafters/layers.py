@@ -1,5 +1,6 @@
 """Pieces the drafters' attention modules share: Llama q/k/v/o projections with the head
-split / merge, the last keys of a context window, and the inference mask of a windowed step."""
+split / merge, the last keys of a context window, the inference mask of a windowed step, and
+the log-sum-exp merge of two attention calls over disjoint keys."""
 from __future__ import annotations
 
 from typing import Optional
@@ -53,3 +54,15 @@ def window_mask(rows: torch.Tensor, first_draft: int,
     start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
     return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
 
+
+def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+              lse_b: torch.Tensor) -> tuple:
+    """Merge two partial attentions over disjoint key sets: (out (..., L, D), lse (..., L)) each
+    -> the attention over their union, out in float32 (a running summary is kept in float32, so
+    only each chunk's own output carries the rounding of its dtype). A side with lse = -inf (no
+    keys) contributes nothing."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_a - safe).nan_to_num(0.0)[..., None]
+    wb = torch.exp(lse_b - safe).nan_to_num(0.0)[..., None]
+    return wa * out_a.float() + wb * out_b.float(), lse

@@ -51,8 +51,8 @@ from .base import Drafter
 from .common import evenly_spaced_layers
 from .config_checks import (check_config, feature_layer_problems, llama_config,
                             require_llama_layers, target_geometry)
-from .layers import HeadProjections
-from .sessions import state_bytes
+from .layers import HeadProjections, merge_lse
+from .longspark_session import LongSparkSession
 
 SCOPES = ("summary", "slots")
 PLAIN = SharpConfig(mode="none")
@@ -136,19 +136,6 @@ class LongSparkConfig:
                    num_drafts=num_drafts, window=window, summary_size=summary_size,
                    correction_rank=correction_rank, train_context=train_context,
                    draft_vocab_size=draft_vocab_size, **fields)
-
-
-def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-              lse_b: torch.Tensor) -> tuple:
-    """Merge two partial attentions over disjoint key sets: (out (..., L, D), lse (..., L)) each
-    -> the attention over their union, out in float32 (a running summary is kept in float32, so
-    only each chunk's own output carries the rounding of its dtype). A side with lse = -inf (no
-    keys) contributes nothing."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    wa = torch.exp(lse_a - safe).nan_to_num(0.0)[..., None]
-    wb = torch.exp(lse_b - safe).nan_to_num(0.0)[..., None]
-    return wa * out_a.float() + wb * out_b.float(), lse
 
 
 class LongSparkAttention(HeadProjections):
@@ -424,86 +411,3 @@ class LongSparkDrafter(Drafter):
                              "reads the target's KV cache)")
         return LongSparkSession(self, target, self.boundary_features(hidden_states)[:, -1],
                                 target_cache)
-
-
-class LongSparkSession:
-    """Chain drafting state: the boundary features and, per draft layer, the summary (M, eta)
-    over the first `covered` cache rows; nothing that grows with the context."""
-
-    def __init__(self, drafter: LongSparkDrafter, target, boundary: torch.Tensor, cache):
-        self.drafter, self.target, self.cache = drafter, target, cache
-        self.boundary = boundary                           # (1, n_layers * target_hidden)
-        self.summary: list = [None] * drafter.config.num_layers
-        self.covered = 0                                   # cache rows folded into the summary
-        self.n_s = 0                                       # the count beta is taken at
-        self.rebuilds = 0
-        self._fold()
-
-    def _layer_kv(self, j: int) -> tuple:
-        layer = self.cache.layers[self.drafter.config.cache_layers[j]]
-        return layer.keys, layer.values
-
-    @property
-    def length(self) -> int:
-        return self._layer_kv(0)[0].shape[2]
-
-    def window(self, j: int) -> tuple:
-        """Views of the last W rows of draft layer j's target cache layer."""
-        k, v = self._layer_kv(j)
-        W = self.drafter.config.window
-        return k[:, :, -W:], v[:, :, -W:]
-
-    def _needs_rebuild(self, t: int) -> bool:
-        d = self.drafter
-        if d.summary_sharp().mode == "none" or self.n_s == 0:
-            return False
-        return any(float((d.summary_beta(j, t) - d.summary_beta(j, self.n_s)).abs().max())
-                   > d.config.beta_tolerance for j in range(d.config.num_layers))
-
-    @torch.no_grad()
-    def _fold(self) -> None:
-        """Fold the cache rows past `covered` into every layer's summary (or rebuild it from
-        the whole cache when beta(t) has moved past the tolerance since the last rebuild)."""
-        t = self.length
-        if t == self.covered:
-            return
-        rebuild = self.covered == 0 or self._needs_rebuild(t)
-        start = 0 if rebuild else self.covered
-        if rebuild:
-            self.n_s = t
-            self.rebuilds += 1
-        nv = self.n_s if self.drafter.summary_sharp().mode != "none" else None
-        for j in range(self.drafter.config.num_layers):
-            k, v = self._layer_kv(j)
-            chunk = self.drafter.summary_chunk(j, k[:, :, start:t], v[:, :, start:t],
-                                               n_visible=nv)
-            self.summary[j] = chunk if rebuild else merge_lse(*self.summary[j], *chunk)
-        self.covered = t
-
-    @torch.no_grad()
-    def propose(self, last: int, position: int, draw) -> tuple:
-        d, c = self.drafter, self.drafter.config
-        dev = self.boundary.device
-        windows = [self.window(j) for j in range(c.num_layers)]
-        n_visible = d.slots_n_visible(torch.tensor([position], device=dev))
-        z0 = d.slot_logits(self.target, torch.tensor([last], device=dev), self.boundary,
-                           torch.tensor([position], device=dev), windows, None,
-                           [m for m, _ in self.summary], n_visible)[0]
-        drafts, rows, prev = [], [], last
-        for i in range(c.num_drafts):
-            z = z0[i] + d.correction(torch.tensor(prev, device=dev))
-            row = d.to_target_vocab(self.target, z[None])[0]
-            prev = draw(row)
-            drafts.append(prev)
-            rows.append(row)
-        return drafts, torch.stack(rows)
-
-    def commit(self, accepted: List[int], hidden_states) -> None:
-        feats = self.drafter.boundary_features(hidden_states)
-        self.boundary = feats[:, len(accepted) - 1]
-        self._fold()
-
-    def state_bytes(self) -> int:
-        """Bytes of the drafter's own state (summaries and boundary; the window is the
-        target's cache)."""
-        return state_bytes(self.boundary, self.summary)

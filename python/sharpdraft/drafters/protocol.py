@@ -79,7 +79,7 @@ class TreeDraftSession(DraftSession, Protocol):
     """A session of a drafter with `drafts_trees`."""
 
     def propose_tree(self, last: int, position: int):
-        """A draft tree (`drafters.eagle3.DraftTree`: tokens, parents, depths, at most
+        """A draft tree (`drafters.trees.DraftTree`: tokens, parents, depths, at most
         drafter.max_tree_nodes nodes, at most drafter.max_tree_depth deep) after `last`
         (committed, at `position`)."""
 

@@ -452,7 +452,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         target: a transformers causal LM or a `TargetRuntime` (as in `autoregressive_generate`).
         drafter: a `sharpdraft.drafters.base.Drafter` built for this target (DFlash, EAGLE-3,
             PARD, LongSpark; its `sharp` config is used as is), or any object with the session
-            protocol (`analysis.adapt.OnlineAdapter`). Its session proposes up to
+            protocol (`eval.adapt.OnlineAdapter`). Its session proposes up to
             `drafter.max_drafts` tokens per step.
         prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
             `autoregressive_generate`.
