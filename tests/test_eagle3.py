@@ -371,6 +371,28 @@ def test_save_load_round_trip(target, tmp_path):
         assert torch.equal(a, b), k
 
 
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(target, tmp_path, monkeypatch):
+    """Drafter.save writes each file to a temporary name, then renames it: a save that fails
+    while writing the weights leaves the folder's previous checkpoint as it was."""
+    from sharpdraft.drafters import base
+
+    first = tiny_eagle3(target, seed=2)
+    first.save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def fail(tensors, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(base, "save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_eagle3(target, seed=5).save(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    back = Eagle3Drafter.load(tmp_path)
+    assert torch.equal(back.fc.weight, first.fc.weight)
+
+
 @pytest.mark.parametrize("tree", [False, True])
 def test_context_window_bounds_n_i_and_stays_lossless(target, monkeypatch, tree):
     """With context_window W every drafter row sees at most W cached keys plus the step's own

@@ -23,8 +23,8 @@ from torch import nn
 
 from ..target.linears import as_packed, plan_linears
 from .config_checks import ConfigKindError, json_type_problem
-from .formats.files import (CONFIG_FILE, WEIGHTS_FILE, read_config_json, tensor_shapes,
-                            weights_problems)
+from .formats.files import (CONFIG_FILE, WEIGHTS_FILE, read_config_json, replace_atomically,
+                            tensor_shapes, weights_problems)
 
 
 class Drafter(nn.Module):
@@ -207,12 +207,14 @@ class Drafter(nn.Module):
 
     # ----- checkpoints ------------------------------------------------------------------------
     def save(self, folder) -> None:
-        """Write config.json and model.safetensors (the drafter's own weights) to `folder`."""
+        """Write config.json and model.safetensors (the drafter's own weights) to `folder`, each
+        to a temporary name first and then renamed (never half-written)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()},
-                  str(folder / WEIGHTS_FILE))
+        tensors = {k: v.contiguous() for k, v in self.state_dict().items()}
+        config = json.dumps(dataclasses.asdict(self.config), indent=2)
+        replace_atomically(folder / WEIGHTS_FILE, lambda path: save_file(tensors, path))
+        replace_atomically(folder / CONFIG_FILE, lambda path: Path(path).write_text(config))
 
     @classmethod
     def read_config(cls, folder, overrides: Optional[dict] = None):
