@@ -100,6 +100,7 @@ def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["tree_shape"] == {"tree_topk": 2, "tree_depth": 2, "tree_tokens": 3}
     assert report["max_drafts"] == 3
+    assert report["fused_draft_step"] is None        # a float target: the modules draft
     assert 1 <= report["tau"] <= 3 and report["identical_to_ar"] is True
 
 

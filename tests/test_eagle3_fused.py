@@ -102,8 +102,10 @@ def test_fused_step_is_the_modules_on_the_same_blocks(target, scaling, feed_norm
 @torch.no_grad()
 def test_draft_step_runs_the_modules_where_the_fused_step_does_not_apply(target):
     drafter = drafter_for(target)
+    assert drafter.fused_step is None
     drafter.prepare_for_target(target, quantised=True)
     assert isinstance(drafter.__dict__["_fused_step"], FusedEagle3Step)
+    assert drafter.fused_step == "eagle3_layer"
     seen = []
     emb, hid = rows(1, 3)
     pos = torch.tensor([[0]])

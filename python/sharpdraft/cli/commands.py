@@ -167,6 +167,7 @@ def cmd_generate(args) -> dict:
               "tree_shape": drafter.tree_shape() if args.tree else None,
               "n_ref_source": getattr(drafter, "n_ref_source", None),
               "context_window": drafter.context_window,
+              "fused_draft_step": drafter.fused_step,
               "target": provenance}
     if args.compare_ar:
         ar = _run("target-only", lambda progress: generate(

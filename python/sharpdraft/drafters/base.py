@@ -83,6 +83,13 @@ class Drafter(nn.Module):
             self.d2t = None
 
     @property
+    def fused_step(self) -> Optional[str]:
+        """The name of the fused CPU op this drafter drafts through since its last preparation
+        for a target (`prepare_drafter`), or None: its modules draft (what `generate`'s JSON
+        report gives as `fused_draft_step`)."""
+        return None
+
+    @property
     def default_draft_threshold(self) -> float:
         """Chain drafting's draft threshold when the caller gives none (`sharpdraft.generate`,
         the CLI's --draft-threshold): the config's measured `draft_threshold`, else 0.0 (every

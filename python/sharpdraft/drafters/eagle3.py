@@ -208,6 +208,10 @@ class Eagle3Drafter(Drafter):
         normed, nxt = self.step(embeds, hidden, positions, cache, attn_mask)
         return self.head(target, normed), nxt
 
+    @property
+    def fused_step(self) -> Optional[str]:
+        return "eagle3_layer" if self.__dict__.get("_fused_step") is not None else None
+
     def draft_head_weight(self, target) -> torch.Tensor:
         """The (draft vocab, H) weight `head` applies: the target LM head's rows d2t (all of
         them without a draft vocabulary)."""
