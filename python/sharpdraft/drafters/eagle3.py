@@ -220,17 +220,18 @@ class Eagle3Drafter(Drafter):
 
     def prepare_for_target(self, target, quantised: bool) -> None:
         """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
-        calls, outside any timed region): the draft head's packed rows, and with `quantised`
-        (a target on quantised blocks) the fused CPU step on Q8_0 blocks (`eagle3_fused`;
-        none where it does not apply). A subclass with its own `head` gives its weight in
+        calls, outside any timed region): with `quantised` (a target on quantised blocks) the
+        fused CPU step on Q8_0 blocks (`eagle3_fused`; none where it does not apply), else the
+        modules' packed draft head. A subclass with its own `head` gives its weight in
         `draft_head_weight`."""
         from . import eagle3_fused
 
-        if self.d2t is not None and type(self).head is Eagle3Drafter.head:
-            self._draft_head(target.get_output_embeddings())
         old = self.__dict__.get("_fused_step")
-        self.__dict__["_fused_step"] = (eagle3_fused.FusedEagle3Step.build(self, target, old)
-                                        if quantised else None)
+        fused = eagle3_fused.FusedEagle3Step.build(self, target, old) if quantised else None
+        self.__dict__["_fused_step"] = fused
+        # the modules' head only where they draft (the fallbacks pack it on first use)
+        if fused is None and self.d2t is not None and type(self).head is Eagle3Drafter.head:
+            self._draft_head(target.get_output_embeddings())
 
     def write_keys(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    cache) -> None:

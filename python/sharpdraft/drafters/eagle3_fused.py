@@ -42,8 +42,9 @@ def weights_key(drafter, target) -> tuple:
             + (_version(target.get_output_embeddings().weight),))
 
 
-def problems(drafter, target) -> List[str]:
-    """Why `drafter` cannot draft through the fused step with `target` (empty: it can)."""
+def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
+    """Why `drafter` cannot draft through the fused step with `target` (empty: it can); `head`:
+    its `draft_head_weight(target)` when the caller has it."""
     out = []
     if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
         out.append("SHARPDRAFT_FUSED_DRAFTERS=0")
@@ -53,7 +54,7 @@ def problems(drafter, target) -> List[str]:
         out.append(f"hidden_act {c.hidden_act!r} (the op runs SiLU)")
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
         out.append("parameters not float32 on the CPU")
-    head = drafter.draft_head_weight(target)
+    head = drafter.draft_head_weight(target) if head is None else head
     if head.device.type != "cpu" or getattr(target.get_output_embeddings(), "bias", None) is not None:
         out.append("an LM head with a bias or off the CPU")
     widths = {"q/k/v": (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
@@ -75,14 +76,14 @@ class FusedEagle3Step:
     `problems` names a reason); `fresh(drafter, target)` tells whether the weights it was made
     from are unchanged."""
 
-    def __init__(self, drafter, target):
+    def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
         att, mlp, c = drafter.self_attn, drafter.mlp, drafter.config
         q8 = lambda *ws: pack_weight(torch.cat([w.detach() for w in ws]).float(), QUANT_PATH)
         self.qkv = q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
         self.o_proj = q8(att.o_proj.weight)
         self.gate_up = q8(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.down = q8(mlp.down_proj.weight)
-        head = drafter.draft_head_weight(target)
+        head = drafter.draft_head_weight(target) if head is None else head
         self.head = q8(head)
         self.head_size = head.shape[0]
         self.qtypes = (_Q8_0,) * 5        # qkv, o_proj, gate_up, down, head
@@ -98,11 +99,14 @@ class FusedEagle3Step:
     def build(cls, drafter, target, reuse: Optional["FusedEagle3Step"] = None
               ) -> Optional["FusedEagle3Step"]:
         """The step for `drafter` and `target`: None where `problems` names a reason, else
-        `reuse` while its weights are unchanged, else a new one."""
-        if problems(drafter, target):
+        `reuse` while its weights are unchanged, else a new one (the draft head's rows are
+        gathered once, and not at all for a step reused)."""
+        if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
             return None
-        return reuse if reuse is not None and reuse.fresh(drafter, target) else cls(drafter,
-                                                                                   target)
+        if reuse is not None and reuse.fresh(drafter, target):
+            return reuse
+        head = drafter.draft_head_weight(target)
+        return None if problems(drafter, target, head) else cls(drafter, target, head)
 
     def fresh(self, drafter, target) -> bool:
         return self.key == weights_key(drafter, target)

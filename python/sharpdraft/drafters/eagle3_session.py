@@ -15,6 +15,7 @@ from .trees import DraftTree, expand_frontier
 if TYPE_CHECKING:
     from .eagle3 import Eagle3Drafter
 
+
 class Eagle3Session:
     """Drafting state: committed tokens, the drafter KV cache of rows 0 .. c - 1, and the target
     features of the committed positions not yet run through the drafter."""
