@@ -95,3 +95,21 @@ def write_public_folder(folder, config: dict, state: dict, layout: str = "safete
     else:
         raise ValueError(f"layout must be safetensors, sharded or bin, got {layout!r}")
     return folder
+
+
+def q8_modules(drafter, target):
+    """A copy of the drafter with every linear on Q8_0 blocks (QUANT_PATH at every row count)
+    and its head as one Q8_0 quant_linear of its `draft_head_weight`: the reference a fused
+    CPU draft step (`drafters.fused`) must equal bit for bit."""
+    import copy
+
+    from torch import nn
+
+    from sharpdraft.target.linears import QUANT_PATH, pack_linears, pack_weight
+    from sharpdraft_ext import cpu_runtime
+    ref = copy.deepcopy(drafter)
+    pack_linears(ref, {(m.out_features, m.in_features, m.weight.dtype): (QUANT_PATH,) * 3
+                       for m in ref.modules() if isinstance(m, nn.Linear)})
+    w = drafter.draft_head_weight(target).float()
+    packed = pack_weight(w, QUANT_PATH)
+    return ref, lambda h: cpu_runtime.quant_linear(h.contiguous(), packed, "q8_0", w.shape[0])

@@ -3,11 +3,8 @@ of the drafter's own modules run on the same Q8_0 blocks (context rows, chain dr
 under a mask; every attention scaling), stays close to the float32 modules, is used only where
 it applies (the modules run under autograd, an `observe` callback, a context window or a
 DynamicCache), is rebuilt when the weights change, and decoding through it stays lossless."""
-import copy
-
 import pytest
 import torch
-from torch import nn
 
 from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
@@ -16,9 +13,8 @@ from sharpdraft.drafters.eagle3_fused import FusedEagle3Step
 from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
                                          tree_speculative_generate)
 from sharpdraft.target.kv_cache import PreallocatedCache
-from sharpdraft.target.linears import QUANT_PATH, pack_linears, pack_weight
 from sharpdraft_ext import cpu_runtime
-from sharpdraft_helpers import tiny_eagle3, tiny_target
+from sharpdraft_helpers import q8_modules, tiny_eagle3, tiny_target
 
 SCALINGS = {
     "none": SharpConfig(mode="none"),
@@ -42,17 +38,6 @@ def drafter_for(target, feed_normed: bool = False, seed: int = 2):
         for norm in (d.input_layernorm, d.hidden_norm, d.post_attention_layernorm, d.norm):
             norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
     return d
-
-
-def q8_modules(drafter, target):
-    """The drafter's modules with every linear on Q8_0 blocks (QUANT_PATH at every row count)
-    and its head as one Q8_0 quant_linear: the reference the fused step must equal."""
-    ref = copy.deepcopy(drafter)
-    pack_linears(ref, {(m.out_features, m.in_features, m.weight.dtype): (QUANT_PATH,) * 3
-                       for m in ref.modules() if isinstance(m, nn.Linear)})
-    w = drafter.draft_head_weight(target).float()
-    packed = pack_weight(w, QUANT_PATH)
-    return ref, lambda h: cpu_runtime.quant_linear(h.contiguous(), packed, "q8_0", w.shape[0])
 
 
 def rows(n, seed, h=64):
@@ -188,7 +173,7 @@ def test_bad_arguments_are_named(target):
     layer = cache.layers[0]
     cos = sin = torch.zeros(1, 16)
     args = [emb[0], hid[0], cos, sin, layer.key_buffer, layer.value_buffer, 1, None, *f.norms,
-            f.qkv, f.o_proj, f.gate_up, f.down, f.head, [2] * 5, f.head_size, *f.geometry]
+            f.qkv, f.o_proj, f.gate_up, f.down, f.head.packed, [2] * 5, f.head.size, *f.geometry]
     bad = dict(enumerate(args))
     bad[12] = f.o_proj                                    # qkv slot given o_proj's blocks
     with pytest.raises(ValueError, match="qkv"):

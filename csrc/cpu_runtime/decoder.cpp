@@ -30,32 +30,15 @@ std::vector<at::Tensor> llama_layers_cpu(
     at::TensorList down, at::IntArrayRef qtypes, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t intermediate_size, double eps, at::IntArrayRef capture,
     const std::optional<at::Tensor>& seq_starts) {
-  const int64_t layers = static_cast<int64_t>(qkv.size());
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
                     "x must be a float32 CPU tensor (rows, hidden)");
-  TORCH_CHECK_VALUE(static_cast<int64_t>(qtypes.size()) == 4 * layers &&
-                        key_cache.size() == qkv.size() && value_cache.size() == qkv.size() &&
-                        input_norm.size() == qkv.size() && post_norm.size() == qkv.size() &&
-                        o_proj.size() == qkv.size() && gate_up.size() == qkv.size() &&
-                        down.size() == qkv.size(),
-                    "llama_layers: one entry per layer in every list (4 qtypes a layer)");
-  const int64_t m = x_in.size(0), H = x_in.size(1), D = head_dim;
+  const int64_t m = x_in.size(0), H = x_in.size(1);
   const decoder::Geometry g{num_heads, num_kv_heads, head_dim, intermediate_size, eps};
-  const int64_t nq = num_heads * D, nkv = num_kv_heads * D, ffn = intermediate_size;
-  for (int64_t l = 0; l < layers; ++l) {
-    decoder::check_packed(qkv[l], qtypes[4 * l], nq + 2 * nkv, H, "qkv", l);
-    decoder::check_packed(o_proj[l], qtypes[4 * l + 1], H, nq, "o_proj", l);
-    decoder::check_packed(gate_up[l], qtypes[4 * l + 2], 2 * ffn, H, "gate_up", l);
-    decoder::check_packed(down[l], qtypes[4 * l + 3], H, ffn, "down", l);
-    for (const at::Tensor* w : {&input_norm[l], &post_norm[l]}) {
-      TORCH_CHECK_VALUE(w->numel() == H && w->scalar_type() == at::kFloat && w->is_contiguous(),
-                        "input_norm / post_norm [", l, "] must be contiguous float32 (", H, ",)");
-    }
-  }
-  TORCH_CHECK_VALUE(cos.sizes() == at::IntArrayRef({m, D}) && sin.sizes() == cos.sizes() &&
-                        cos.is_contiguous() && sin.is_contiguous() &&
-                        cos.scalar_type() == at::kFloat,
-                    "cos and sin must be contiguous float32 (rows, head_dim)");
+  const decoder::Stack stack{input_norm, post_norm, qkv, o_proj, gate_up, down, qtypes};
+  decoder::check_stack(stack, g, H, "llama_layers");
+  TORCH_CHECK_VALUE(key_cache.size() == qkv.size() && value_cache.size() == qkv.size(),
+                    "llama_layers: one key_cache and value_cache entry per layer");
+  decoder::check_rotary(cos, sin, m, head_dim);
   // Batched decoding (seq_starts given): row r is the next token of sequence r, whose keys and
   // values are batch r of every cache; it is written at position seq_starts[r] and sees the
   // keys 0 .. seq_starts[r]. Otherwise the m rows are one sequence's, written from `start`.
@@ -88,12 +71,9 @@ std::vector<at::Tensor> llama_layers_cpu(
     }
   };
   keep(0);
-  for (int64_t l = 0; l < layers; ++l) {
+  for (int64_t l = 0; l < stack.size(); ++l) {
     decoder::check_cache(key_cache[l], value_cache[l], cache_batch, g, rows.end, l);
-    const decoder::LayerWeights w{qkv[l],          o_proj[l],           gate_up[l],
-                                  down[l],         post_norm[l],        qtypes[4 * l],
-                                  qtypes[4 * l + 1], qtypes[4 * l + 2], qtypes[4 * l + 3]};
-    decoder::run_layer(x, decoder::rms_norm(x, input_norm[l], eps), w, g, cos, sin,
+    decoder::run_layer(x, decoder::rms_norm(x, input_norm[l], eps), stack.layer(l), g, cos, sin,
                        key_cache[l], value_cache[l], rows, plain, ws);
     keep(l + 1);
   }

@@ -106,6 +106,32 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, cons
                     ", ", g.num_kv_heads, ", capacity >= ", end, ", ", g.head_dim, ")");
 }
 
+void check_stack(const Stack& s, const Geometry& g, int64_t H, const char* op) {
+  const size_t n = s.qkv.size();
+  TORCH_CHECK_VALUE(s.qtypes.size() == 4 * n && s.o_proj.size() == n && s.gate_up.size() == n &&
+                        s.down.size() == n && s.input_norm.size() == n && s.post_norm.size() == n,
+                    op, ": one entry per layer in every list (4 qtypes a layer)");
+  const int64_t nq = g.num_heads * g.head_dim, nkv = g.num_kv_heads * g.head_dim;
+  const int64_t ffn = g.intermediate_size;
+  for (int64_t l = 0; l < s.size(); ++l) {
+    check_packed(s.qkv[l], s.qtypes[4 * l], nq + 2 * nkv, H, "qkv", l);
+    check_packed(s.o_proj[l], s.qtypes[4 * l + 1], H, nq, "o_proj", l);
+    check_packed(s.gate_up[l], s.qtypes[4 * l + 2], 2 * ffn, H, "gate_up", l);
+    check_packed(s.down[l], s.qtypes[4 * l + 3], H, ffn, "down", l);
+    for (const at::Tensor* w : {&s.input_norm[l], &s.post_norm[l]}) {
+      TORCH_CHECK_VALUE(w->numel() == H && w->scalar_type() == at::kFloat && w->is_contiguous(),
+                        "input_norm / post_norm [", l, "] must be contiguous float32 (", H, ",)");
+    }
+  }
+}
+
+void check_rotary(const at::Tensor& cos, const at::Tensor& sin, int64_t m, int64_t head_dim) {
+  TORCH_CHECK_VALUE(cos.sizes() == at::IntArrayRef({m, head_dim}) && sin.sizes() == cos.sizes() &&
+                        cos.is_contiguous() && sin.is_contiguous() &&
+                        cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+                    "cos and sin must be contiguous float32 (rows, head_dim)");
+}
+
 void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, const Geometry& g,
                const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const Rows& rows, const Scaling& scaling,

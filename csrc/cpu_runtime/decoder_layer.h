@@ -52,6 +52,25 @@ struct Rows {
   std::optional<at::Tensor> kv_lens;
 };
 
+// A stack of layers' weights as the ops take them: one entry a layer in every list, 4 qtypes a
+// layer (qkv, o_proj, gate_up, down).
+struct Stack {
+  at::TensorList input_norm, post_norm, qkv, o_proj, gate_up, down;
+  at::IntArrayRef qtypes;
+  int64_t size() const { return static_cast<int64_t>(qkv.size()); }
+  LayerWeights layer(int64_t l) const {
+    return {qkv[l], o_proj[l], gate_up[l], down[l], post_norm[l],
+            qtypes[4 * l], qtypes[4 * l + 1], qtypes[4 * l + 2], qtypes[4 * l + 3]};
+  }
+};
+
+// Checks every list's length and every layer's packed weights and norms for hidden size H;
+// `op` names the op in the message.
+void check_stack(const Stack& s, const Geometry& g, int64_t H, const char* op);
+
+// Checks cos and sin: contiguous float32 (m, head_dim).
+void check_rotary(const at::Tensor& cos, const at::Tensor& sin, int64_t m, int64_t head_dim);
+
 // Scratch tensors for m rows, reused across layers.
 struct Workspace {
   at::Tensor qkv_out, attn, proj, gate_up;

@@ -54,10 +54,7 @@ std::vector<at::Tensor> eagle3_layer_cpu(
                       "input_norm / hidden_norm / post_norm / final_norm must be contiguous "
                       "float32 (", H, ",)");
   }
-  TORCH_CHECK_VALUE(cos.sizes() == at::IntArrayRef({m, D}) && sin.sizes() == cos.sizes() &&
-                        cos.is_contiguous() && sin.is_contiguous() &&
-                        cos.scalar_type() == at::kFloat,
-                    "cos and sin must be contiguous float32 (rows, head_dim)");
+  decoder::check_rotary(cos, sin, m, D);
   TORCH_CHECK_VALUE(start >= 0, "start must be >= 0, got ", start);
   decoder::check_cache(key_cache, value_cache, 1, g, start + m, 0);
   const decoder::Rows rows{start, nullptr, start + m, attn_mask, std::nullopt};

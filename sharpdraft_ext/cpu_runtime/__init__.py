@@ -11,7 +11,7 @@ to ~96 rows of a decode or verification step (a prefill's many rows go to torch'
 - `llama_layers`: a Llama-style decoder stack on the packed blocks in one call (the attention
   through the kernel's own op, sharpdraft::sharp_attention); `eagle3_layer`: the EAGLE-3
   drafter's layer and draft-vocabulary head in one call (the attention with SharpDraft's
-  scaling).
+  scaling); `pard_layers`: the PARD drafter's layers, final norm and head in one call.
 
 Packed layouts are this machine's (they follow the instruction set): pack again on another one.
 """
@@ -256,3 +256,46 @@ def eagle3_layer(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                             gate_up, down, head, qtypes, head_size, num_heads, num_kv_heads,
                             head_dim, intermediate_size, eps, mode, slope, slopes, n_ref, topk,
                             contrast, beta_min, beta_max)
+
+
+def pard_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: Sequence[torch.Tensor], value_cache: Sequence[torch.Tensor],
+                start: int, attn_mask: Optional[torch.Tensor],
+                input_norm: Sequence[torch.Tensor], post_norm: Sequence[torch.Tensor],
+                qkv: Sequence[torch.Tensor], o_proj: Sequence[torch.Tensor],
+                gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                qtypes: Sequence[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                intermediate_size: int, eps: float, final_norm: torch.Tensor,
+                head: torch.Tensor, head_qtype: int, head_size: int, head_from: int,
+                mode: str, slope: Sequence[float], slopes: Sequence[Optional[torch.Tensor]],
+                n_ref: int = 1, topk: int = 0, contrast: float = 1.0, beta_min: float = 1.0,
+                beta_max: float = 1.0) -> torch.Tensor:
+    """The PARD drafter's decoder layers, final norm and LM head on `quant_pack`ed weights in one
+    call (CPU, float32; the architecture of `sharpdraft.drafters.pard`, after the PARD paper and
+    AMD's public checkpoints): `llama_layers`' stack with SharpDraft attention (the sharp kernel
+    with `mode` and layer l's slope), then logits = RMSNorm(x, final_norm) @ head.T for rows
+    head_from .. rows - 1. Each row's result depends on that row and the cache only.
+    `sharpdraft.drafters.pard_fused` builds the arguments from a drafter.
+
+    Args:
+        x .. eps: as `llama_layers` (one sequence, batch-1 caches, rows written from `start`,
+            attn_mask bool broadcastable to (1, num_heads, rows, start + rows) or None: causal).
+        final_norm: RMSNorm weight (hidden,) float32.
+        head: the LM head (its draft-vocabulary rows), (head_size, hidden) `quant_pack`ed in
+            format `head_qtype` (0 q4_0, 1 q4_1, 2 q8_0).
+        head_from: the first row whose logits are returned (0 .. rows).
+        mode, n_ref, topk, contrast, beta_min, beta_max: the attention's scaling (spec §1);
+            slope: one float a layer; slopes: a layer's per-head float32 (num_heads,) slopes,
+            which replace its float, or None.
+
+    Returns:
+        (rows - head_from, head_size) float32 logits.
+
+    Raises:
+        ValueError naming the argument whose shape, dtype or layout does not fit.
+    """
+    return ops.pard_layers(x, cos, sin, key_cache, value_cache, start, attn_mask, input_norm,
+                           post_norm, qkv, o_proj, gate_up, down, qtypes, num_heads,
+                           num_kv_heads, head_dim, intermediate_size, eps, final_norm, head,
+                           head_qtype, head_size, head_from, mode, [float(s) for s in slope],
+                           list(slopes), n_ref, topk, contrast, beta_min, beta_max)

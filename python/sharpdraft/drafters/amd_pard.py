@@ -10,7 +10,8 @@ A draft step (PARDSession, shared with `drafters.pard`) embeds the committed tok
 the drafter's KV cache, ending with the last committed token at position p, followed by K - 1
 copies of `pard_token` at positions p + 1 .. p + K - 1; attention is plain causal; the rows from
 the last real token on give the K drafts (`logits[-K:]`); the mask rows' keys / values are then
-dropped from the cache. Attention runs through `sharpdraft_ext.sharp_attention` (the "sharp"
+dropped from the cache; on a quantised CPU target it runs as one op (`pard_fused`) where the
+layers are Llama's. Attention runs through `sharpdraft_ext.sharp_attention` (the "sharp"
 transformers attention): the drafter's `sharp` SharpConfig with mode "none" is the published
 drafter, "fixed_slope" SharpDraft (n_ref: `config.train_context`).
 """
@@ -30,7 +31,7 @@ from .config_checks import is_int
 from .formats.amd_pard import (FAMILIES, NOT_FAMILY_KEYS, REQUIRED_FIELDS, AMDPARDConfig,
                                AMDPARDFormat)
 from .formats.public import EXTRAS_KEY
-from .pard import PARDDrafter, PARDSession
+from .pard import PARDDrafter
 
 
 def build_family_model(config: AMDPARDConfig) -> nn.Module:
@@ -75,6 +76,11 @@ class AMDPARDDrafter(AMDPARDFormat, PARDDrafter):
         """The final RMSNorm (model.norm)."""
         return self.model.norm
 
+    @property
+    def rotary_emb(self) -> nn.Module:
+        """The rotary embedding (model.rotary_emb)."""
+        return self.model.rotary_emb
+
     def embed(self, target, ids: torch.Tensor, is_mask: torch.Tensor) -> torch.Tensor:
         """(B, L) ids (ignored where is_mask) -> (B, L, hidden) embeddings, the mask rows taking
         the embedding row of pard_token (the drafter's own embedding; `target` is unused)."""
@@ -102,6 +108,10 @@ class AMDPARDDrafter(AMDPARDFormat, PARDDrafter):
         """float32 logits (.., vocab_size) of normed hidden states through the drafter's own LM
         head (`target` is unused)."""
         return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+
+    def draft_head_weight(self, target) -> torch.Tensor:
+        """The own LM head's weight (what `head` applies)."""
+        return self.lm_head.weight
 
     def to_target_vocab(self, target, logits: torch.Tensor) -> torch.Tensor:
         """(n, vocab_size) -> (n, target vocab): unchanged when the sizes agree; padded with -inf
@@ -133,13 +143,6 @@ class AMDPARDDrafter(AMDPARDFormat, PARDDrafter):
             if not self.config.tie_word_embeddings:
                 self.lm_head.weight.copy_(target.get_output_embeddings().weight)
         return chosen
-
-    # ----- sessions ---------------------------------------------------------------------------
-    def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
-              target_cache=None) -> PARDSession:
-        session = PARDSession(self, target, prompt_ids[0].tolist())
-        session.absorb_prompt()
-        return session
 
     # ----- fitting a target -----------------------------------------------------------------
     def target_problems(self, target) -> List[str]:

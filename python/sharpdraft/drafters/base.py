@@ -143,6 +143,13 @@ class Drafter(nn.Module):
             return torch.nn.functional.linear(h, lm_head.weight[self.d2t], bias).float()
         return self._draft_head(lm_head)(h).float()
 
+    def draft_head_weight(self, target) -> torch.Tensor:
+        """The (draft vocab, H) weight `head` applies: the target LM head's rows d2t (all of
+        them without a draft vocabulary); a drafter with its own head overrides it (what the
+        fused CPU steps pack, `drafters.fused`)."""
+        w = target.get_output_embeddings().weight
+        return w if self.d2t is None else w[self.d2t]
+
     def _draft_head(self, lm_head: nn.Module) -> nn.Module:
         """The target LM head's rows d2t as one linear layer (prepacked like the target's, see
         sharpdraft.target), gathered once and again only when the head's weight, its dtype

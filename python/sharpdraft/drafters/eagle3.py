@@ -212,12 +212,6 @@ class Eagle3Drafter(Drafter):
     def fused_step(self) -> Optional[str]:
         return "eagle3_layer" if self.__dict__.get("_fused_step") is not None else None
 
-    def draft_head_weight(self, target) -> torch.Tensor:
-        """The (draft vocab, H) weight `head` applies: the target LM head's rows d2t (all of
-        them without a draft vocabulary)."""
-        w = target.get_output_embeddings().weight
-        return w if self.d2t is None else w[self.d2t]
-
     def prepare_for_target(self, target, quantised: bool) -> None:
         """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
         calls, outside any timed region): with `quantised` (a target on quantised blocks) the

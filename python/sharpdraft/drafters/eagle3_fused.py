@@ -22,71 +22,41 @@ from typing import List, Optional, Tuple
 import torch
 from sharpdraft_ext import cpu_runtime
 
-from .. import attention, settings
+from .. import settings
 from ..target.kv_cache import PreallocatedCache
-from ..target.linears import QUANT_PATH, pack_weight
-
-_Q8_0 = 2          # cpu::QuantType of GGUF Q8_0
-
-
-def _version(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t._version, t.dtype, tuple(t.shape))
-
-
-def weights_key(drafter, target) -> tuple:
-    """What the packed blocks were made from: every parameter and buffer of the drafter (d2t,
-    an own LM head) and the target's LM head weight (data pointer, in-place version, dtype,
-    shape)."""
-    return (tuple(_version(t) for t in drafter.parameters())
-            + tuple(_version(t) for t in drafter.buffers())
-            + (_version(target.get_output_embeddings().weight),))
+from . import fused
+from .fused import Head, q8, weights_key
 
 
 def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
     """Why `drafter` cannot draft through the fused step with `target` (empty: it can); `head`:
-    its `draft_head_weight(target)` when the caller has it."""
-    out = []
-    if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
-        out.append("SHARPDRAFT_FUSED_DRAFTERS=0")
+    its `draft_head_weight(target)` when the caller has it (`fused.problems`)."""
     c = drafter.config
-    width = cpu_runtime.quant_panel_width()
-    if c.hidden_act != "silu":
-        out.append(f"hidden_act {c.hidden_act!r} (the op runs SiLU)")
-    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in drafter.parameters()):
-        out.append("parameters not float32 on the CPU")
     head = drafter.draft_head_weight(target) if head is None else head
-    if head.device.type != "cpu" or getattr(target.get_output_embeddings(), "bias", None) is not None:
-        out.append("an LM head with a bias or off the CPU")
     widths = {"q/k/v": (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
-              "o_proj": c.hidden_size, "gate/up": 2 * c.intermediate_size,
-              "head": head.shape[0]}
-    for name, n in widths.items():
-        if n % width:
-            out.append(f"{name} width {n} not a multiple of the packed panel width {width}")
-    for name, k in {"hidden": c.hidden_size, "intermediate": c.intermediate_size}.items():
-        if k % 32:
-            out.append(f"{name} size {k} not a multiple of 32 (the GGUF block)")
-    return out
+              "o_proj": c.hidden_size, "gate/up": 2 * c.intermediate_size}
+    return fused.problems(drafter, target, head, widths,
+                          {"hidden": c.hidden_size, "intermediate": c.intermediate_size},
+                          c.hidden_act)
 
 
 class FusedEagle3Step:
     """The arguments of `eagle3_layer` for one drafter and target: the layer's linears and the
-    draft head as Q8_0 blocks (q/k/v and gate/up side by side), the norms, the geometry and the
+    draft head as Q8_0 blocks (q/k/v and gate/up side by side; the target's own quantised head
+    where there is no draft vocabulary, `fused.Head`), the norms, the geometry and the
     attention's scaling. Build it with `FusedEagle3Step.build(drafter, target)` (None where
     `problems` names a reason); `fresh(drafter, target)` tells whether the weights it was made
     from are unchanged."""
 
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
         att, mlp, c = drafter.self_attn, drafter.mlp, drafter.config
-        q8 = lambda *ws: pack_weight(torch.cat([w.detach() for w in ws]).float(), QUANT_PATH)
         self.qkv = q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)
         self.o_proj = q8(att.o_proj.weight)
         self.gate_up = q8(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.down = q8(mlp.down_proj.weight)
-        head = drafter.draft_head_weight(target) if head is None else head
-        self.head = q8(head)
-        self.head_size = head.shape[0]
-        self.qtypes = (_Q8_0,) * 5        # qkv, o_proj, gate_up, down, head
+        self.head = Head(drafter, target,
+                         drafter.draft_head_weight(target) if head is None else head)
+        self.qtypes = (fused.Q8_0,) * 4 + (self.head.qtype,)   # qkv, o_proj, gate_up, down, head
         self.norms = [n.weight.detach().contiguous() for n in
                       (drafter.input_layernorm, drafter.hidden_norm,
                        drafter.post_attention_layernorm, drafter.norm)]
@@ -113,39 +83,25 @@ class FusedEagle3Step:
 
     @staticmethod
     def covers(drafter, embeds: torch.Tensor, cache) -> bool:
-        """Whether a call with these rows and cache runs fused (else through the modules)."""
-        return (isinstance(cache, PreallocatedCache) and drafter.context_window is None
-                and not torch.is_grad_enabled() and not attention.observed()
-                and embeds.device.type == "cpu" and embeds.dtype == torch.float32
-                and embeds.shape[0] == 1)
+        """Whether a call with these rows and cache runs fused (`fused.covers`)."""
+        return fused.covers(drafter, embeds, cache)
 
     def __call__(self, drafter, embeds: torch.Tensor, hidden: torch.Tensor,
                  positions: torch.Tensor, cache: PreallocatedCache,
                  attn_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """`Eagle3Drafter.draft_step` through the op: (logits (1, L, draft vocab) float32, the
         next rows' hidden input (1, L, H)); the rows' keys and values are appended to `cache`."""
-        layer = cache.layers[0]
+        layers = cache.layers[:1]
         m = embeds.shape[1]
-        hk, d = self.geometry[1], self.geometry[2]
-        if not layer.is_initialized:
-            empty = embeds.new_empty((1, hk, 0, d))
-            layer.lazy_initialization(empty, empty)
-        start = layer.length
-        if start + m > layer.capacity:
-            raise RuntimeError(f"PreallocatedCache: {start + m} positions exceed its capacity "
-                               f"{layer.capacity}; start the runtime with a larger capacity")
+        start = fused.claim_rows(layers, m, embeds, self.geometry[1], self.geometry[2])
         cos, sin = drafter.rotary_emb(embeds, positions)
-        kw = drafter.sharp.kernel_kwargs(0)
-        slope = kw["slope"]
-        slopes = slope if isinstance(slope, torch.Tensor) else None
+        mode, slope, slopes, kw = fused.scaling(drafter.sharp, 0)
+        layer = layers[0]
         normed, x, logits = cpu_runtime.eagle3_layer(
             embeds[0].contiguous(), hidden[0].float().contiguous(), cos[0].contiguous(),
             sin[0].contiguous(), layer.key_buffer, layer.value_buffer, start, attn_mask,
-            *self.norms, self.qkv, self.o_proj, self.gate_up, self.down, self.head,
-            self.qtypes, self.head_size, *self.geometry, mode=kw["mode"],
-            slope=0.0 if slopes is not None else float(slope), slopes=slopes,
-            n_ref=int(kw["n_ref"]), topk=int(kw["topk"]), contrast=float(kw["contrast"]),
-            beta_min=float(kw["beta_min"]), beta_max=float(kw["beta_max"]))
-        layer.length = start + m
-        layer._views()
+            *self.norms, self.qkv, self.o_proj, self.gate_up, self.down, self.head.packed,
+            self.qtypes, self.head.size, *self.geometry, mode=mode, slope=slope, slopes=slopes,
+            **kw)
+        fused.commit_rows(layers, start + m)
         return logits[None], (normed if self.feed_normed else x)[None]

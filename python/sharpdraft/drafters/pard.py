@@ -216,11 +216,45 @@ class PARDDrafter(Drafter):
     def max_drafts(self) -> int:
         return self.config.num_draft_tokens
 
+    def draft_logits(self, target, embeds: torch.Tensor, positions: torch.Tensor, cache,
+                     attn_mask: Optional[torch.Tensor] = None, head_from: int = 0
+                     ) -> torch.Tensor:
+        """Run rows `embeds` (1, L, hidden) at `positions` (1, L) through the layers, appending
+        their keys and values to `cache`, and return the float32 logits (L - head_from, draft
+        vocab) of rows head_from .. L - 1 (`attn_mask` as `forward`'s). Runs the fused CPU step
+        (`pard_fused.FusedPARDStep`) where `prepare_for_target` built one and the call is one it
+        covers, else the modules."""
+        fused = self.__dict__.get("_fused_step")
+        if fused is not None and fused.covers(self, embeds, cache):
+            return fused(self, embeds, positions, cache, attn_mask, head_from)
+        h = self(embeds, positions, attn_mask=attn_mask, cache=cache)
+        if head_from == h.shape[1]:
+            return h.new_zeros((0, 0), dtype=torch.float32)
+        return self.head(target, h[0, head_from:])
+
+    @property
+    def fused_step(self) -> Optional[str]:
+        fused = self.__dict__.get("_fused_step")
+        return None if fused is None else fused.name
+
+    def prepare_for_target(self, target, quantised: bool) -> None:
+        """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
+        calls, outside any timed region): with `quantised` (a target on quantised blocks) the
+        fused CPU step (`pard_fused`; none where it does not apply)."""
+        from . import pard_fused
+
+        old = self.__dict__.get("_fused_step")
+        self.__dict__["_fused_step"] = (pard_fused.FusedPARDStep.build(self, target, old)
+                                        if quantised else None)
+
     def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
               target_cache=None) -> "PARDSession":
         session = PARDSession(self, target, prompt_ids[0].tolist(),
-                              session_cache(target_cache, self.config.num_layers,
+                              session_cache(target_cache, len(self.layers),
                                             self.config.num_draft_tokens + 1))
+        fused = self.__dict__.get("_fused_step")
+        if fused is not None and not fused.fresh(self, target):
+            self.prepare_for_target(target, quantised=True)   # weights changed since
         session.absorb_prompt()
         return session
 
@@ -245,9 +279,9 @@ class PARDSession:
         dev = self.target.get_input_embeddings().weight.device
         ids = torch.tensor([self.tokens[cached:]], device=dev)
         pos = torch.arange(cached, n, device=dev)[None]
-        self.drafter(self.drafter.embed(self.target, ids, torch.zeros_like(ids, dtype=torch.bool)),
-                     pos, attn_mask=window_mask(pos[0], n, self.drafter.context_window),
-                     cache=self.cache)
+        self.drafter.draft_logits(
+            self.target, self.drafter.embed(self.target, ids, torch.zeros_like(ids, dtype=torch.bool)),
+            pos, self.cache, window_mask(pos[0], n, self.drafter.context_window), ids.shape[1])
 
     @torch.no_grad()
     def propose(self, last: int, position: int, draw) -> tuple:
@@ -261,12 +295,11 @@ class PARDSession:
         ids = torch.tensor([real + [-1] * (k - 1)], device=dev)
         is_mask = torch.arange(ids.shape[1], device=dev)[None] >= len(real)
         pos = torch.arange(cached, cached + ids.shape[1], device=dev)[None]
-        h = self.drafter(self.drafter.embed(self.target, ids, is_mask), pos,
-                         attn_mask=window_mask(pos[0], position, self.drafter.context_window),
-                         cache=self.cache)
+        logits = self.drafter.draft_logits(
+            self.target, self.drafter.embed(self.target, ids, is_mask), pos, self.cache,
+            window_mask(pos[0], position, self.drafter.context_window), len(real) - 1)
         crop_to(self.cache, position + 1)      # drop the mask rows' keys/values
         self.last = last
-        logits = self.drafter.head(self.target, h[0, len(real) - 1:])
         return draw_rows(self.drafter.to_target_vocab(self.target, logits), draw)
 
     def commit(self, accepted: List[int], hidden_states=None) -> None:
