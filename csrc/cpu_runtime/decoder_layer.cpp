@@ -39,29 +39,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               const std::optional<at::Tensor>&, int64_t, int64_t, double, double, double,
               const std::optional<at::Tensor>&)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const bool causal = !rows.attn_mask.has_value();
+  const bool causal = rows.causal && !rows.attn_mask.has_value();
   return std::get<0>(op.call(q, k, v, causal, std::nullopt, rows.attn_mask, rows.kv_lens,
                              std::nullopt, s.mode, s.slope, s.slopes, s.n_ref, s.topk,
                              s.contrast, s.beta_min, s.beta_max, std::nullopt));
-}
-
-// x (m, heads, d) in place: x * cos + rotate_half(x) * sin, cos / sin (m, d).
-__attribute__((optimize("fp-contract=off")))  // a * c - b * s rounded as the modules round it
-void rotary(float* x, int64_t m, int64_t heads, int64_t d, int64_t row_stride, const float* cos,
-            const float* sin) {
-  const int64_t half = d / 2;
-  for (int64_t r = 0; r < m; ++r) {
-    const float* c = cos + r * d;
-    const float* s = sin + r * d;
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      float* v = x + r * row_stride + hh * d;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half];
-        v[i] = a * c[i] - b * s[i];
-        v[i + half] = b * c[i + half] + a * s[i + half];
-      }
-    }
-  }
 }
 
 }  // namespace
@@ -106,6 +87,31 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, cons
                     ", ", g.num_kv_heads, ", capacity >= ", end, ", ", g.head_dim, ")");
 }
 
+__attribute__((optimize("fp-contract=off")))  // a * c - b * s rounded as the modules round it
+void rotary(float* x, int64_t m, int64_t heads, int64_t d, int64_t row_stride, const float* cos,
+            const float* sin) {
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* c = cos + r * d;
+    const float* s = sin + r * d;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      float* v = x + r * row_stride + hh * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] - b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+void head_rms_norm(float* x, int64_t m, int64_t heads, int64_t head_dim, int64_t row_stride,
+                   const at::Tensor& w, double eps) {
+  const at::Tensor view =
+      at::from_blob(x, {m, heads, head_dim}, {row_stride, head_dim, 1}, at::kFloat);
+  view.copy_(rms_norm(view.contiguous(), w, eps));
+}
+
 void check_stack(const Stack& s, const Geometry& g, int64_t H, const char* op) {
   const size_t n = s.qkv.size();
   TORCH_CHECK_VALUE(s.qtypes.size() == 4 * n && s.o_proj.size() == n && s.gate_up.size() == n &&
@@ -125,11 +131,63 @@ void check_stack(const Stack& s, const Geometry& g, int64_t H, const char* op) {
   }
 }
 
+Scaling layer_scaling(c10::string_view mode, at::ArrayRef<double> slope,
+                      const c10::List<std::optional<at::Tensor>>& slopes, int64_t l,
+                      int64_t n_ref, int64_t topk, double contrast, double beta_min,
+                      double beta_max) {
+  Scaling s;
+  s.mode = std::string(mode);
+  s.slope = slope[l];
+  s.slopes = slopes.get(l);
+  s.n_ref = n_ref;
+  s.topk = topk;
+  s.contrast = contrast;
+  s.beta_min = beta_min;
+  s.beta_max = beta_max;
+  return s;
+}
+
+at::Tensor head_logits(const at::Tensor& x, int64_t head_from, const at::Tensor& final_norm,
+                       const at::Tensor& head, int64_t head_qtype, int64_t head_size,
+                       double eps) {
+  const int64_t m = x.size(0), H = x.size(1);
+  check_packed(head, head_qtype, head_size, H, "head", 0);
+  TORCH_CHECK_VALUE(final_norm.numel() == H && final_norm.scalar_type() == at::kFloat &&
+                        final_norm.is_contiguous(),
+                    "final_norm must be contiguous float32 (", H, ",)");
+  TORCH_CHECK_VALUE(head_from >= 0 && head_from <= m, "head_from must lie in [0, ", m, "], got ",
+                    head_from);
+  const int64_t n = m - head_from;
+  at::Tensor logits = at::empty({n, head_size}, x.options());
+  if (n > 0) {
+    const at::Tensor normed = rms_norm(x.narrow(0, head_from, n), final_norm, eps);
+    linear(normed.data_ptr<float>(), n, H, head, head_qtype, head_size, logits.data_ptr<float>());
+  }
+  return logits;
+}
+
 void check_rotary(const at::Tensor& cos, const at::Tensor& sin, int64_t m, int64_t head_dim) {
   TORCH_CHECK_VALUE(cos.sizes() == at::IntArrayRef({m, head_dim}) && sin.sizes() == cos.sizes() &&
                         cos.is_contiguous() && sin.is_contiguous() &&
                         cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
                     "cos and sin must be contiguous float32 (rows, head_dim)");
+}
+
+void write_cache(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows) {
+  const int64_t Hk = g.num_kv_heads, D = g.head_dim, cap = key_cache.size(2);
+  float* kbuf = key_cache.data_ptr<float>();
+  float* vbuf = value_cache.data_ptr<float>();
+  const bool batched = rows.seq_starts != nullptr;
+  for (int64_t r = 0; r < m; ++r) {
+    // (batch, position) of row r's key / value
+    const int64_t b = batched ? r : 0, pos = batched ? rows.seq_starts[r] : rows.start + r;
+    for (int64_t h = 0; h < Hk; ++h) {
+      const int64_t at_row = ((b * Hk + h) * cap + pos) * D;
+      std::memcpy(kbuf + at_row, k + r * row_stride + h * D, D * sizeof(float));
+      std::memcpy(vbuf + at_row, v + r * row_stride + h * D, D * sizeof(float));
+    }
+  }
 }
 
 void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, const Geometry& g,
@@ -142,21 +200,12 @@ void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, c
   linear(normed.data_ptr<float>(), m, normed.size(1), w.qkv, w.qtype_qkv, width,
          ws.qkv_out.data_ptr<float>());
   float* q = ws.qkv_out.data_ptr<float>();
+  if (w.q_norm != nullptr) head_rms_norm(q, m, Hq, D, width, *w.q_norm, g.eps);
+  if (w.k_norm != nullptr) head_rms_norm(q + nq, m, Hk, D, width, *w.k_norm, g.eps);
   rotary(q, m, Hq, D, width, cos.data_ptr<float>(), sin.data_ptr<float>());
   rotary(q + nq, m, Hk, D, width, cos.data_ptr<float>(), sin.data_ptr<float>());
-  float* kbuf = key_cache.data_ptr<float>();
-  float* vbuf = value_cache.data_ptr<float>();
-  const int64_t cap = key_cache.size(2);
+  write_cache(q + nq, q + nq + nkv, m, width, g, key_cache, value_cache, rows);
   const bool batched = rows.seq_starts != nullptr;
-  for (int64_t r = 0; r < m; ++r) {
-    // (batch, position) of row r's key / value
-    const int64_t b = batched ? r : 0, pos = batched ? rows.seq_starts[r] : rows.start + r;
-    for (int64_t h = 0; h < Hk; ++h) {
-      const int64_t at_row = ((b * Hk + h) * cap + pos) * D;
-      std::memcpy(kbuf + at_row, q + r * width + nq + h * D, D * sizeof(float));
-      std::memcpy(vbuf + at_row, q + r * width + nq + nkv + h * D, D * sizeof(float));
-    }
-  }
   // views of the q rows, (1, Hq, m, D) or batched (m, Hq, 1, D), and of the caches' first
   // `end` keys / values (batched: the first seq_starts[r] + 1 of batch r count, via kv_lens)
   const at::Tensor qrows = ws.qkv_out.narrow(1, 0, nq).view({m, Hq, D});

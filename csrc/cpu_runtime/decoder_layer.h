@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/List.h>
 
 #include <cstdint>
 #include <optional>
@@ -31,7 +32,8 @@ struct Scaling {
 };
 
 // One layer's weights: contiguous quant_pack tensors (q/k/v and gate/up side by side), their
-// formats (0 q4_0, 1 q4_1, 2 q8_0) and the post-attention RMSNorm weight (hidden,).
+// formats (0 q4_0, 1 q4_1, 2 q8_0), the post-attention RMSNorm weight (hidden,) and, for
+// attention with per-head q/k RMSNorm (Qwen3, DFlash's qk_norm), those weights (head_dim,).
 struct LayerWeights {
   const at::Tensor& qkv;
   const at::Tensor& o_proj;
@@ -39,18 +41,35 @@ struct LayerWeights {
   const at::Tensor& down;
   const at::Tensor& post_norm;
   int64_t qtype_qkv, qtype_o, qtype_gate_up, qtype_down;
+  const at::Tensor* q_norm = nullptr;
+  const at::Tensor* k_norm = nullptr;
 };
 
 // Where a call's rows go: one sequence's rows written from `start` (seeing the bottom-right
-// causal keys, or attn_mask), or with seq_starts (rows,) one row per sequence r, batch r of
-// the cache, written at seq_starts[r] and seeing keys 0 .. seq_starts[r] (kv_lens).
+// causal keys, every key when not `causal`, or attn_mask), or with seq_starts (rows,) one row
+// per sequence r, batch r of the cache, written at seq_starts[r] and seeing keys
+// 0 .. seq_starts[r] (kv_lens).
 struct Rows {
   int64_t start = 0;
   const int64_t* seq_starts = nullptr;
   int64_t end = 0;  // keys attended over: start + rows, or max(seq_starts) + 1
   std::optional<at::Tensor> attn_mask;
   std::optional<at::Tensor> kv_lens;
+  bool causal = true;
 };
+
+// Layer l's scaling from a drafter op's arguments: `mode` and the shared parameters, slope[l],
+// and slopes[l] (per-head, replacing slope[l]) where given.
+Scaling layer_scaling(c10::string_view mode, at::ArrayRef<double> slope,
+                      const c10::List<std::optional<at::Tensor>>& slopes, int64_t l,
+                      int64_t n_ref, int64_t topk, double contrast, double beta_min,
+                      double beta_max);
+
+// A draft head: logits (m - head_from, head_size) = RMSNorm(x[head_from:], final_norm) W^T
+// from quant_pack'ed blocks (checked, as head_from).
+at::Tensor head_logits(const at::Tensor& x, int64_t head_from, const at::Tensor& final_norm,
+                       const at::Tensor& head, int64_t head_qtype, int64_t head_size,
+                       double eps);
 
 // A stack of layers' weights as the ops take them: one entry a layer in every list, 4 qtypes a
 // layer (qkv, o_proj, gate_up, down).
@@ -93,8 +112,24 @@ void check_packed(const at::Tensor& p, int64_t qtype, int64_t n, int64_t k, cons
 void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, const Geometry& g,
                  int64_t end, int64_t layer);
 
-// The layer past its input RMSNorm(s): q/k/v = normed (m, K) W_qkv^T, rotary embedding (cos, sin
-// (m, head_dim)), the new keys / values written to the cache, attention with `scaling`, then
+// Per-head RMSNorm of `heads` heads of head_dim values in each of m rows of x (row stride
+// `row_stride` floats), in place, with the ATen calls of rms_norm.
+void head_rms_norm(float* x, int64_t m, int64_t heads, int64_t head_dim, int64_t row_stride,
+                   const at::Tensor& w, double eps);
+
+// x (m, heads, d) in place: x * cos + rotate_half(x) * sin, cos / sin (m, d), rounded as
+// transformers' apply_rotary_pos_emb rounds it.
+void rotary(float* x, int64_t m, int64_t heads, int64_t d, int64_t row_stride, const float* cos,
+            const float* sin);
+
+// Rows' keys and values (m rows of num_kv_heads * head_dim floats at k and v, row stride
+// `row_stride` floats) into the caches at the rows' positions (`rows`).
+void write_cache(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows);
+
+// The layer past its input RMSNorm(s): q/k/v = normed (m, K) W_qkv^T, the q/k norms where the
+// weights have them, rotary embedding (cos, sin (m, head_dim)), the new keys / values written
+// to the cache, attention with `scaling`, then
 // x += o_proj(attn); x += down(SiLU(gate) * up) of RMSNorm(x, post_norm). x (m, hidden) float32
 // contiguous, updated in place.
 void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, const Geometry& g,

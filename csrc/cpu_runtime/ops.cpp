@@ -1,8 +1,8 @@
 // ops.cpp: the torch.library schema of the target runtime's ops
 // (torch.ops.sharpdraft_cpu_runtime, the extension module sharpdraft_ext._cpu_runtime) and their
 // CPU kernels: the linear layers for the few rows of a decode or verification step (float32
-// panels, GGUF blocks); llama_layers, eagle3_layer and pard_layers, whose kernels register in
-// decoder.cpp, eagle3.cpp and pard.cpp. The fake (meta) kernels used by torch.compile live in
+// panels, GGUF blocks); llama_layers and the drafters' eagle3_layer, pard_layers and
+// dflash_layers, whose kernels register in decoder.cpp, eagle3.cpp, pard.cpp and dflash.cpp. The fake (meta) kernels used by torch.compile live in
 // sharpdraft_ext/cpu_runtime/_ops.py and call the check ops below. The attention ops are another
 // library, torch.ops.sharpdraft (csrc/attention/ops.cpp), which the fused layers call through
 // the dispatcher (decoder_layer.cpp).
@@ -159,6 +159,16 @@ TORCH_LIBRARY(sharpdraft_cpu_runtime, m) {
       "Tensor head, int head_qtype, int head_size, int head_from, str mode, float[] slope, "
       "Tensor?[] slopes, int n_ref, int topk, float contrast, float beta_min, float beta_max) "
       "-> Tensor");
+  // The DFlash drafter's block step (dflash.cpp, which registers its CPU kernel).
+  m.def(
+      "dflash_layers(Tensor block, Tensor cos, Tensor sin, Tensor context, Tensor context_cos, "
+      "Tensor context_sin, Tensor fc, int fc_qtype, Tensor hidden_norm, Tensor[] key_cache, "
+      "Tensor[] value_cache, int start, Tensor[] input_norm, Tensor[] post_norm, Tensor[] qkv, "
+      "Tensor[] kv, Tensor[] o_proj, Tensor[] gate_up, Tensor[] down, int[] qtypes, "
+      "Tensor[] q_norm, Tensor[] k_norm, int num_heads, int num_kv_heads, int head_dim, "
+      "int intermediate_size, float eps, Tensor final_norm, Tensor head, int head_qtype, "
+      "int head_size, int head_from, str mode, float[] slope, Tensor?[] slopes, int n_ref, "
+      "int topk, float contrast, float beta_min, float beta_max) -> Tensor");
   // Argument checks only (the meta checks of api.h: no output, no tensor values read): a
   // catch-all kernel, so they run on CPU, meta and fake tensors alike. The fake kernels in
   // sharpdraft_ext/cpu_runtime/_ops.py call them, so torch.compile rejects what eager rejects.

@@ -44,41 +44,27 @@ at::Tensor pard_layers_cpu(
                         static_cast<int64_t>(slopes.size()) == layers,
                     "pard_layers: one key_cache, value_cache, slope and slopes entry per layer");
   decoder::check_rotary(cos, sin, m, head_dim);
-  decoder::check_packed(head, head_qtype, head_size, H, "head", 0);
-  TORCH_CHECK_VALUE(final_norm.numel() == H && final_norm.scalar_type() == at::kFloat &&
-                        final_norm.is_contiguous(),
-                    "final_norm must be contiguous float32 (", H, ",)");
   TORCH_CHECK_VALUE(start >= 0, "start must be >= 0, got ", start);
+  at::Tensor x = x_in.contiguous().clone();
+  // the head's arguments checked before any work: an empty call of it
+  decoder::head_logits(x.narrow(0, 0, 0), 0, final_norm, head, head_qtype, head_size, eps);
   TORCH_CHECK_VALUE(head_from >= 0 && head_from <= m, "head_from must lie in [0, ", m, "], got ",
                     head_from);
   decoder::Rows rows;
   rows.start = start;
   rows.end = start + m;
   rows.attn_mask = attn_mask;
-  at::Tensor x = x_in.contiguous().clone();
   decoder::Workspace ws(m, H, g, x.options());
   for (int64_t l = 0; l < layers; ++l) {
     decoder::check_cache(key_cache[l], value_cache[l], 1, g, rows.end, l);
-    decoder::Scaling scaling;
-    scaling.mode = std::string(mode);
-    scaling.slope = slope[l];
-    scaling.slopes = slopes.get(l);
-    scaling.n_ref = n_ref;
-    scaling.topk = topk;
-    scaling.contrast = contrast;
-    scaling.beta_min = beta_min;
-    scaling.beta_max = beta_max;
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    const decoder::Scaling scaling = decoder::layer_scaling(mode, slope, slopes, l, n_ref, topk,
+                                                            contrast, beta_min, beta_max);
     decoder::run_layer(x, decoder::rms_norm(x, input_norm[l], eps), stack.layer(l), g, cos, sin,
                        key_cache[l], value_cache[l], rows, scaling, ws);
   }
-  const int64_t n = m - head_from;
-  at::Tensor logits = at::empty({n, head_size}, x.options());
-  if (n > 0) {
-    const at::Tensor normed = decoder::rms_norm(x.narrow(0, head_from, n), final_norm, eps);
-    decoder::linear(normed.data_ptr<float>(), n, H, head, head_qtype, head_size,
-                    logits.data_ptr<float>());
-  }
-  return logits;
+  return decoder::head_logits(x, head_from, final_norm, head, head_qtype, head_size, eps);
 }
 
 TORCH_LIBRARY_IMPL(sharpdraft_cpu_runtime, CPU, m) { m.impl("pard_layers", &pard_layers_cpu); }

@@ -11,7 +11,8 @@ to ~96 rows of a decode or verification step (a prefill's many rows go to torch'
 - `llama_layers`: a Llama-style decoder stack on the packed blocks in one call (the attention
   through the kernel's own op, sharpdraft::sharp_attention); `eagle3_layer`: the EAGLE-3
   drafter's layer and draft-vocabulary head in one call (the attention with SharpDraft's
-  scaling); `pard_layers`: the PARD drafter's layers, final norm and head in one call.
+  scaling); `pard_layers` and `dflash_layers`: the PARD and DFlash drafters' draft steps (layers,
+  final norm and head) in one call.
 
 Packed layouts are this machine's (they follow the instruction set): pack again on another one.
 """
@@ -299,3 +300,57 @@ def pard_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            num_kv_heads, head_dim, intermediate_size, eps, final_norm, head,
                            head_qtype, head_size, head_from, mode, [float(s) for s in slope],
                            list(slopes), n_ref, topk, contrast, beta_min, beta_max)
+
+
+def dflash_layers(block: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  context: torch.Tensor, context_cos: torch.Tensor, context_sin: torch.Tensor,
+                  fc: torch.Tensor, fc_qtype: int, hidden_norm: torch.Tensor,
+                  key_cache: Sequence[torch.Tensor], value_cache: Sequence[torch.Tensor],
+                  start: int, input_norm: Sequence[torch.Tensor],
+                  post_norm: Sequence[torch.Tensor], qkv: Sequence[torch.Tensor],
+                  kv: Sequence[torch.Tensor], o_proj: Sequence[torch.Tensor],
+                  gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                  qtypes: Sequence[int], q_norm: Sequence[torch.Tensor],
+                  k_norm: Sequence[torch.Tensor], num_heads: int, num_kv_heads: int,
+                  head_dim: int, intermediate_size: int, eps: float, final_norm: torch.Tensor,
+                  head: torch.Tensor, head_qtype: int, head_size: int, head_from: int,
+                  mode: str, slope: Sequence[float], slopes: Sequence[Optional[torch.Tensor]],
+                  n_ref: int = 1, topk: int = 0, contrast: float = 1.0, beta_min: float = 1.0,
+                  beta_max: float = 1.0) -> torch.Tensor:
+    """The DFlash drafter's draft step on `quant_pack`ed weights in one call (CPU, float32; the
+    architecture of `sharpdraft.drafters.dflash`, after the DFlash paper and z-lab's public
+    code): ctx = RMSNorm(context @ fc.T, hidden_norm); per layer the context's keys and values
+    (k/v projections of ctx, k norm, rotary at the context positions) written to the cache at
+    start .., then the layer over the block rows, whose queries see every cached key and the
+    whole block (no causal mask; SharpDraft attention with `mode` and layer l's slope; the
+    block's keys written past the context); logits = RMSNorm(x, final_norm) @ head.T of block
+    rows head_from ... `sharpdraft.drafters.dflash_fused` builds the arguments from a drafter.
+
+    Args:
+        block: (b, hidden) float32 block embeddings; cos, sin: (b, head_dim) their rotary tables.
+        context: (Tn, features) float32 new context features (Tn may be 0); context_cos,
+            context_sin: (Tn, head_dim) their rotary tables.
+        fc: the context projection (hidden, features), `quant_pack`ed in format fc_qtype;
+            hidden_norm: its RMSNorm weight (hidden,).
+        key_cache, value_cache: per layer (1, num_kv_heads, capacity >= start + Tn + b,
+            head_dim) float32, written in place.
+        start: the number of context rows the cache holds.
+        input_norm, post_norm, qkv, o_proj, gate_up, down, qtypes: as `llama_layers`; kv: per
+            layer the k and v projections side by side (the context's), in qkv's format.
+        q_norm, k_norm: per layer per-head RMSNorm weights (head_dim,), or both empty.
+        num_heads .. eps: the layers' geometry. final_norm, head, head_qtype, head_size,
+            head_from, mode, slope, slopes, n_ref .. beta_max: as `pard_layers`.
+
+    Returns:
+        (b - head_from, head_size) float32 logits.
+
+    Raises:
+        ValueError naming the argument whose shape, dtype or layout does not fit.
+    """
+    return ops.dflash_layers(block, cos, sin, context, context_cos, context_sin, fc, fc_qtype,
+                             hidden_norm, key_cache, value_cache, start, input_norm, post_norm,
+                             qkv, kv, o_proj, gate_up, down, qtypes, list(q_norm), list(k_norm),
+                             num_heads, num_kv_heads, head_dim, intermediate_size, eps,
+                             final_norm, head, head_qtype, head_size, head_from, mode,
+                             [float(s) for s in slope], list(slopes), n_ref, topk, contrast,
+                             beta_min, beta_max)

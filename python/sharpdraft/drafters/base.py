@@ -87,7 +87,26 @@ class Drafter(nn.Module):
         """The name of the fused CPU op this drafter drafts through since its last preparation
         for a target (`prepare_drafter`), or None: its modules draft (what `generate`'s JSON
         report gives as `fused_draft_step`)."""
-        return None
+        step = self.__dict__.get("_fused_step")
+        return None if step is None else step.name
+
+    def _fused(self):
+        """The fused CPU step `prepare_for_target` built (`drafters.fused`), or None."""
+        return self.__dict__.get("_fused_step")
+
+    def _set_fused_step(self, kind, target, quantised: bool) -> None:
+        """`prepare_for_target`'s part for a drafter with a fused CPU step class `kind`
+        (`kind.build(drafter, target, reuse)`): built for a quantised target, the old one reused
+        while its weights are unchanged; none for a float target."""
+        self.__dict__["_fused_step"] = (kind.build(self, target, self._fused()) if quantised
+                                        else None)
+
+    def _refresh_fused_step(self, target) -> None:
+        """Rebuild the fused step when the weights changed since it was built (a session's
+        start: training or a load_state_dict in between)."""
+        step = self._fused()
+        if step is not None and not step.fresh(self, target):
+            self.prepare_for_target(target, quantised=True)
 
     @property
     def default_draft_threshold(self) -> float:

@@ -288,6 +288,8 @@ class DFlashDrafter(Drafter):
         Returns:
             float32 logits (b - 1, target vocab); row j - 1 predicts the token at position + j.
             With a draft vocabulary, tokens outside it get -inf (probability 0 in the draft).
+            Runs the fused CPU step (`dflash_fused.FusedDFlashStep`) where `prepare_for_target`
+            built one and the call is one it covers, else the modules.
         """
         b = self.config.block_size
         dev = new_context.device
@@ -296,8 +298,14 @@ class DFlashDrafter(Drafter):
         pos = torch.arange(position, position + b, device=dev)[None]
         tn = new_context.shape[1]
         ctx_pos = torch.arange(position - tn, position, device=dev)[None]
-        h = self(target.get_input_embeddings()(ids), pos, new_context, ctx_pos, cache=cache)
-        return self.to_target_vocab(target, self.head(target, h[0, 1:]))
+        embeds = target.get_input_embeddings()(ids)
+        fused = self._fused()
+        if fused is not None and fused.covers(self, embeds, new_context, cache):
+            logits = fused(self, embeds, pos, new_context, ctx_pos, cache)
+        else:
+            h = self(embeds, pos, new_context, ctx_pos, cache=cache)
+            logits = self.head(target, h[0, 1:])
+        return self.to_target_vocab(target, logits)
 
     # ----- inference sessions (drafters.protocol) --------------------------------------------
     def target_problems(self, target) -> List[str]:
@@ -315,9 +323,18 @@ class DFlashDrafter(Drafter):
     def max_drafts(self) -> int:
         return self.config.block_size - 1
 
+    def prepare_for_target(self, target, quantised: bool) -> None:
+        """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
+        calls, outside any timed region): with `quantised` (a target on quantised blocks) the
+        fused CPU step (`dflash_fused`; none where it does not apply)."""
+        from . import dflash_fused
+
+        self._set_fused_step(dflash_fused.FusedDFlashStep, target, quantised)
+
     def start(self, target, prompt_ids: torch.Tensor, hidden_states,
               target_cache=None) -> "DFlashSession":
         """A draft session after the target's prefill forward over `prompt_ids`."""
+        self._refresh_fused_step(target)
         session = DFlashSession(self, target, self.context_features(hidden_states),
                                 session_cache(target_cache, self.config.num_layers,
                                               self.config.block_size))

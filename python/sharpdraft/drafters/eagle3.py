@@ -202,15 +202,11 @@ class Eagle3Drafter(Drafter):
         input (B, L, H)); same arguments as `step`. Runs the fused CPU step
         (`eagle3_fused.FusedEagle3Step`) where `prepare_for_target` built one and the call is
         one it covers, else the modules."""
-        fused = self.__dict__.get("_fused_step")
+        fused = self._fused()
         if fused is not None and fused.covers(self, embeds, cache):
             return fused(self, embeds, hidden, positions, cache, attn_mask)
         normed, nxt = self.step(embeds, hidden, positions, cache, attn_mask)
         return self.head(target, normed), nxt
-
-    @property
-    def fused_step(self) -> Optional[str]:
-        return "eagle3_layer" if self.__dict__.get("_fused_step") is not None else None
 
     def prepare_for_target(self, target, quantised: bool) -> None:
         """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
@@ -220,11 +216,9 @@ class Eagle3Drafter(Drafter):
         `draft_head_weight`."""
         from . import eagle3_fused
 
-        old = self.__dict__.get("_fused_step")
-        fused = eagle3_fused.FusedEagle3Step.build(self, target, old) if quantised else None
-        self.__dict__["_fused_step"] = fused
+        self._set_fused_step(eagle3_fused.FusedEagle3Step, target, quantised)
         # the modules' head only where they draft (the fallbacks pack it on first use)
-        if fused is None and self.d2t is not None and type(self).head is Eagle3Drafter.head:
+        if self._fused() is None and self.d2t is not None and type(self).head is Eagle3Drafter.head:
             self._draft_head(target.get_output_embeddings())
 
     def write_keys(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -328,9 +322,7 @@ class Eagle3Drafter(Drafter):
         c = self.config
         cache = session_cache(target_cache, 1,
                               max(c.chain_length, max(0, c.tree_depth - 1) * c.tree_topk) + 1)
-        fused = self.__dict__.get("_fused_step")
-        if fused is not None and not fused.fresh(self, target):
-            self.prepare_for_target(target, quantised=True)   # weights changed since
+        self._refresh_fused_step(target)
         session = Eagle3Session(self, target, prompt_ids[0].tolist(),
                                 self.context_features(hidden_states), cache)
         session.absorb_prompt()

@@ -48,6 +48,8 @@ class FusedEagle3Step:
     `problems` names a reason); `fresh(drafter, target)` tells whether the weights it was made
     from are unchanged."""
 
+    name = "eagle3_layer"
+
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
         att, mlp, c = drafter.self_attn, drafter.mlp, drafter.config
         self.qkv = q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)

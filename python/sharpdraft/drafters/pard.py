@@ -224,7 +224,7 @@ class PARDDrafter(Drafter):
         vocab) of rows head_from .. L - 1 (`attn_mask` as `forward`'s). Runs the fused CPU step
         (`pard_fused.FusedPARDStep`) where `prepare_for_target` built one and the call is one it
         covers, else the modules."""
-        fused = self.__dict__.get("_fused_step")
+        fused = self._fused()
         if fused is not None and fused.covers(self, embeds, cache):
             return fused(self, embeds, positions, cache, attn_mask, head_from)
         h = self(embeds, positions, attn_mask=attn_mask, cache=cache)
@@ -232,29 +232,20 @@ class PARDDrafter(Drafter):
             return h.new_zeros((0, 0), dtype=torch.float32)
         return self.head(target, h[0, head_from:])
 
-    @property
-    def fused_step(self) -> Optional[str]:
-        fused = self.__dict__.get("_fused_step")
-        return None if fused is None else fused.name
-
     def prepare_for_target(self, target, quantised: bool) -> None:
         """Ready the drafter to draft for `target` (what `target.runtime.prepare_drafter`
         calls, outside any timed region): with `quantised` (a target on quantised blocks) the
         fused CPU step (`pard_fused`; none where it does not apply)."""
         from . import pard_fused
 
-        old = self.__dict__.get("_fused_step")
-        self.__dict__["_fused_step"] = (pard_fused.FusedPARDStep.build(self, target, old)
-                                        if quantised else None)
+        self._set_fused_step(pard_fused.FusedPARDStep, target, quantised)
 
     def start(self, target, prompt_ids: torch.Tensor, hidden_states=None,
               target_cache=None) -> "PARDSession":
         session = PARDSession(self, target, prompt_ids[0].tolist(),
                               session_cache(target_cache, len(self.layers),
                                             self.config.num_draft_tokens + 1))
-        fused = self.__dict__.get("_fused_step")
-        if fused is not None and not fused.fresh(self, target):
-            self.prepare_for_target(target, quantised=True)   # weights changed since
+        self._refresh_fused_step(target)
         session.absorb_prompt()
         return session
 
