@@ -1,9 +1,10 @@
 """What drafting costs on the default runtime, through the drafter's modules and through its
-fused CPU step (issue 52): EAGLE-3 (the default drafter) on the default GGUF target.
+fused CPU step (issue 52): EAGLE-3 (the default drafter; --drafter pard / dflash for theirs) on
+the default GGUF target.
 
 For each --contexts length, the first n tokens of Genesis (held out from training) and the
 bench's summary task are decoded greedily for --new-tokens tokens, chain (draft threshold 0, so
-every step drafts `chain_length` tokens) and tree, with SHARPDRAFT_FUSED_DRAFTERS=0 (the
+every step drafts its full chain or block) and, for a drafter that drafts trees, tree, with SHARPDRAFT_FUSED_DRAFTERS=0 (the
 modules: the measured linear plan, the packed draft head) and =1 (`eagle3_layer`), interleaved,
 --repeats times; reported as medians: drafting ms per step and per drafted token (propose +
 commit over the drafts proposed), the ratio of a drafted token to a target-only decode step
@@ -11,6 +12,7 @@ commit over the drafts proposed), the ratio of a drafted token to a target-only 
 modes, and so is every output (greedy, lossless).
 
     python benchmarks/drafter_step_cpu.py --out benchmarks/results/drafter-step-cpu
+    python benchmarks/drafter_step_cpu.py --drafter pard --out benchmarks/results/drafter-step-cpu/pard
 """
 import argparse
 import os
@@ -48,16 +50,17 @@ def main():
     prompts = {n: torch.tensor([tok(kjv_passage(tok, n) + "\n\n" + KJV_TASK).input_ids])
                for n in args.contexts}
     warm = prompts[args.contexts[0]][:, :48]
+    kinds = ("target", "chain", "tree") if drafter.drafts_trees else ("target", "chain")
     for flag in MODES.values():
         os.environ["SHARPDRAFT_FUSED_DRAFTERS"] = flag
         speculative_generate(runtime, drafter, warm, 8)
-        tree_speculative_generate(runtime, drafter, warm, 8)
+        if drafter.drafts_trees:
+            tree_speculative_generate(runtime, drafter, warm, 8)
     autoregressive_generate(runtime, warm, 8)
     runs = {}
     outputs = {}
     jobs = [(r, n, kind, mode) for r in range(args.repeats) for n in args.contexts
-            for kind in ("target", "chain", "tree") for mode in (MODES if kind != "target"
-                                                                 else ["-"])]
+            for kind in kinds for mode in (MODES if kind != "target" else ["-"])]
     for _, n, kind, mode in tqdm(jobs, desc="drafting cost", unit="run"):
         if kind == "target":
             res = autoregressive_generate(runtime, prompts[n], args.new_tokens)
@@ -75,6 +78,7 @@ def main():
             "draft_ms_per_step": 1000 * res.draft_s / res.target_forwards,
             "draft_ms_per_token": 1000 * res.draft_s / max(1, drafted),
             "tau": res.tau, "decode_tokens_per_s": res.decode_tokens_per_s,
+            "fused_draft_step": drafter.fused_step,
             "same_output": None if n not in outputs else res.tokens == outputs[n]})
     rows = []
     for (n, kind, mode), rs in runs.items():
@@ -82,6 +86,7 @@ def main():
         for key in rs[0]:
             vals = [r[key] for r in rs if r[key] is not None]
             row[key] = (all(vals) if key == "same_output" else
+                        rs[0][key] if key == "fused_draft_step" else
                         statistics.median(vals) if vals else None)
         rows.append(row)
     step = {r["context"]: r["step_ms"] for r in rows if r["kind"] == "target"}

@@ -107,8 +107,9 @@ def test_draft_threshold_cuts_before_the_first_unsure_draft(target):
 
 
 def test_a_checkpoints_draft_threshold_is_the_default(target, tmp_path):
-    """`generate` without draft_threshold cuts drafts at the drafter config's measured
-    draft_threshold (kept through save / read_config); an explicit 0 still verifies every draft;
+    """`generate` with the fixed policy and no draft_threshold cuts drafts at the drafter
+    config's measured draft_threshold (kept through save / read_config); an explicit 0 (which
+    implies the fixed policy) still verifies every draft;
     a threshold outside [0, 1] in config.json is refused naming the field."""
     from sharpdraft import generate
 
@@ -121,7 +122,7 @@ def test_a_checkpoints_draft_threshold_is_the_default(target, tmp_path):
     assert config.draft_threshold == 0.5
     drafter = ScriptedDrafter(DFlashDrafter(config), 9, ref, 5, 4).eval()
     assert drafter.default_draft_threshold == 0.5
-    default = generate(target, drafter, prompt, max_new_tokens=40)
+    default = generate(target, drafter, prompt, max_new_tokens=40, policy="fixed")
     cut = speculative_generate(target, drafter, prompt, 40, draft_threshold=0.5)
     full = generate(target, drafter, prompt, max_new_tokens=40, draft_threshold=0.0)
     assert default.tokens == cut.tokens == full.tokens == ref

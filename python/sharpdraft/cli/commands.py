@@ -151,14 +151,15 @@ def cmd_generate(args) -> dict:
     if args.compare_ar:         # one-time costs (allocator, op dispatch) out of the timed runs
         generate(target, None, ids[:, :64], max_new_tokens=2)
         generate(target, drafter, ids[:, :64], max_new_tokens=2, tree=args.tree,
-                 draft_threshold=args.draft_threshold)
+                 draft_threshold=args.draft_threshold, policy=args.draft_policy)
     spec = _run("speculative", lambda progress: generate(
         target, drafter, ids, max_new_tokens=args.max_new_tokens, tree=args.tree,
-        draft_threshold=args.draft_threshold, progress=progress, **common), args.max_new_tokens)
+        draft_threshold=args.draft_threshold, policy=args.draft_policy, progress=progress,
+        **common), args.max_new_tokens)
     report = {"text": tokenizer.decode(spec.tokens, skip_special_tokens=True), **spec.summary(),
               "seq_rep_4": seq_rep(spec.tokens), "task": args.task,
               "drafter": args.drafter + ("-tree" if args.tree else ""),
-              "draft_threshold": 0.0 if args.tree else (
+              "draft_threshold": 0.0 if args.tree or spec.policy.get("policy") == "auto" else (
                   drafter.default_draft_threshold if args.draft_threshold is None
                   else args.draft_threshold),
               "sharp": {k: (None if v == math.inf else v)         # strict JSON: no Infinity
@@ -437,6 +438,13 @@ def print_report(report: dict) -> None:
           f"{task}; "
           f"{report['target_forwards']} target forwards; tau = {report['tau']:.3f}; "
           f"{report['tokens_per_s']:.1f} tok/s")
+    est = report.get("policy_estimates") or {}
+    if est.get("policy") == "auto":
+        print(f"draft policy auto: {100 * (est['drafted_share'] or 0):.0f}% of steps drafted, "
+              f"mean draft length {report['mean_draft_length']:.2f}; target step "
+              f"{est['target_step_ms']} ms, +{est['verify_ms_per_row']} ms a verified row")
+    elif est:
+        print(f"draft policy fixed (draft threshold {report['draft_threshold']:g})")
     if "seq_rep_4" in report:
         print(f"seq-rep-4 {report['seq_rep_4']:.2f}: the share of the output's 4-grams that "
               f"repeat (near 0 for ordinary text, towards 1 in a loop, the easiest to draft)")

@@ -83,7 +83,14 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-threshold", type=float, default=None,
                    help="chain drafting: verify drafts only up to the first whose drafter "
                         "probability is below this (0: all of them; lossless either way; "
-                        "default: the drafter checkpoint's measured draft_threshold, else 0)")
+                        "default: the drafter checkpoint's measured draft_threshold, else 0); "
+                        "the fixed draft policy's")
+    g.add_argument("--draft-policy", choices=["auto", "fixed"], default=None,
+                   help="auto: each step drafts the length (or tree, or nothing) with the best "
+                        "expected tokens per second from this run's measured costs and "
+                        "acceptance; fixed: every step drafts in full, cut by "
+                        "--draft-threshold (default: fixed when --draft-threshold is given, "
+                        "else auto; lossless either way)")
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
                         "EAGLE-3, PARD; default: all of them)")
@@ -469,6 +476,9 @@ def validate(top: argparse.ArgumentParser, args) -> None:
         p.error(f"{shape[0]} applies to generate --tree and bench (tree drafting)")
     if getattr(args, "tree", False) and args.draft_threshold:
         p.error("--draft-threshold applies to chain drafting, not --tree")
+    if getattr(args, "draft_policy", None) == "auto" and getattr(args, "draft_threshold", None):
+        p.error("--draft-threshold applies to --draft-policy fixed; auto chooses draft "
+                "lengths itself")
     if args.command != "train" and getattr(args, "block_size", 2) < 2:
         p.error(f"--block-size must be >= 2, got {args.block_size}")
     if getattr(args, "temperature", 0.0) < 0:

@@ -29,7 +29,7 @@ from .base import Drafter
 from .common import evenly_spaced_layers
 from .config_checks import check_config, feature_layer_problems, llama_config, target_geometry
 from .layers import HeadProjections, last_keys
-from .sessions import draw_rows, session_cache, state_bytes
+from .sessions import draw_rows, no_drafts, session_cache, state_bytes, wanted
 
 
 @dataclass
@@ -360,13 +360,21 @@ class DFlashSession:
             self.drafter.write_context(self.new_context, pos, self.cache)
             self.new_context = self.new_context[:, :0]
 
-    def propose(self, last: int, position: int, draw) -> tuple:
-        return draw_rows(self.drafter.draft_logits(self.target, last, position, self.new_context,
-                                                   self.cache), draw)
+    def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
+        """The block's b - 1 drafts (the first max_drafts of them; the block always runs
+        whole, its rows see each other); max_drafts=0 drafts nothing (the new context waits for
+        the next propose)."""
+        n = wanted(self.drafter.config.block_size - 1, max_drafts)
+        if n == 0:
+            return no_drafts(self.target)
+        logits = self.drafter.draft_logits(self.target, last, position, self.new_context,
+                                           self.cache)
+        self.new_context = self.new_context[:, :0]
+        return draw_rows(logits[:n], draw)
 
     def commit(self, accepted: List[int], hidden_states) -> None:
         feats = self.drafter.context_features(hidden_states)
-        self.new_context = feats[:, :len(accepted)]
+        self.new_context = torch.cat([self.new_context, feats[:, :len(accepted)]], dim=1)
 
     def state_bytes(self) -> int:
         return state_bytes(self.cache, self.new_context)

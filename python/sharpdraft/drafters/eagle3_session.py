@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from .layers import window_mask
-from .sessions import crop_to, state_bytes
+from .sessions import crop_to, no_drafts, state_bytes, wanted
 from .trees import DraftTree, expand_frontier
 
 if TYPE_CHECKING:
@@ -46,12 +46,15 @@ class Eagle3Session:
                                 self.cache)
         self.pending = self.pending[:, end - c:]
 
-    def _root(self, last: int, position: int):
-        """Run the pending rows (the last one pairs g_{P-1} with `last`); returns row P - 1's
-        draft logits (draft vocab,) and next hidden input (1, 1, H)."""
+    def _check(self, position: int) -> None:
         if position != len(self.tokens):
             raise ValueError(f"EAGLE-3 session: position {position} != committed length "
                              f"{len(self.tokens)}")
+
+    def _root(self, last: int, position: int):
+        """Run the pending rows (the last one pairs g_{P-1} with `last`); returns row P - 1's
+        draft logits (draft vocab,) and next hidden input (1, 1, H)."""
+        self._check(position)
         c = self.cache.get_seq_length()
         dev = self.pending.device
         ids = torch.tensor([self.tokens[c + 1:position] + [last]], device=dev)
@@ -67,20 +70,27 @@ class Eagle3Session:
         return logits[0, -1], hidden[:, -1:]
 
     @torch.no_grad()
-    def propose(self, last: int, position: int, draw, stop_below: float = 0.0) -> tuple:
-        """Chain drafting: `chain_length` drafts, each fed back as the next row's token; with
-        stop_below > 0, none after the first whose probability under softmax(row) is below it
-        (`Drafter.drafts_one_by_one`)."""
+    def propose(self, last: int, position: int, draw, stop_below: float = 0.0,
+                max_drafts=None) -> tuple:
+        """Chain drafting: `chain_length` drafts (at most max_drafts), each fed back as the next
+        row's token; with stop_below > 0, none after the first whose probability under
+        softmax(row) is below it (`Drafter.drafts_one_by_one`). max_drafts=0 drafts nothing:
+        the pending rows wait for the next propose."""
         d = self.drafter
+        n = wanted(d.config.chain_length, max_drafts)
+        if n == 0:
+            self._check(position)
+            self.last = last
+            return no_drafts(self.target)
         draft_logits, hidden = self._root(last, position)
         drafts, logits = [], []
-        for j in range(d.config.chain_length):
+        for j in range(n):
             row = d.to_target_vocab(self.target, draft_logits[None])[0]
             logits.append(row)
             drafts.append(draw(row))
             unsure = (stop_below > 0
                       and float(torch.softmax(row.float(), -1)[drafts[-1]]) < stop_below)
-            if j + 1 == d.config.chain_length or unsure:
+            if j + 1 == n or unsure:
                 break
             pos = torch.tensor([[position + j]], device=hidden.device)
             step_logits, hidden = d.draft_step(

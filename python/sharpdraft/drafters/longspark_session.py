@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from .layers import merge_lse
-from .sessions import state_bytes
+from .sessions import no_drafts, state_bytes, wanted
 
 if TYPE_CHECKING:
     from .longspark import LongSparkDrafter
@@ -68,8 +68,13 @@ class LongSparkSession:
         self.covered = t
 
     @torch.no_grad()
-    def propose(self, last: int, position: int, draw) -> tuple:
+    def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
+        """The round's drafts (num_drafts, the first max_drafts of them: the slots always run
+        whole, they see each other); max_drafts=0 drafts nothing."""
         d, c = self.drafter, self.drafter.config
+        n = wanted(c.num_drafts, max_drafts)
+        if n == 0:
+            return no_drafts(self.target)
         dev = self.boundary.device
         windows = [self.window(j) for j in range(c.num_layers)]
         n_visible = d.slots_n_visible(torch.tensor([position], device=dev))
@@ -77,7 +82,7 @@ class LongSparkSession:
                            torch.tensor([position], device=dev), windows, None,
                            [m for m, _ in self.summary], n_visible)[0]
         drafts, rows, prev = [], [], last
-        for i in range(c.num_drafts):
+        for i in range(n):
             z = z0[i] + d.correction(torch.tensor(prev, device=dev))
             row = d.to_target_vocab(self.target, z[None])[0]
             prev = draw(row)

@@ -35,7 +35,7 @@ from ..target.kv_cache import CACHE_KWARG
 from .base import Drafter
 from .config_checks import check_config, llama_config, require_llama_layers, target_geometry
 from .layers import window_mask
-from .sessions import crop_to, draw_rows, session_cache, state_bytes
+from .sessions import crop_to, draw_rows, no_drafts, session_cache, state_bytes, wanted
 
 
 @dataclass
@@ -275,11 +275,17 @@ class PARDSession:
             pos, self.cache, window_mask(pos[0], n, self.drafter.context_window), ids.shape[1])
 
     @torch.no_grad()
-    def propose(self, last: int, position: int, draw) -> tuple:
+    def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
+        """k drafts (num_draft_tokens, at most max_drafts) from one forward of the uncached
+        committed rows, `last` and k - 1 mask rows; max_drafts=0 drafts nothing (the rows wait
+        for the next propose)."""
         if position != len(self.tokens):
             raise ValueError(f"PARD session: position {position} != committed length "
                              f"{len(self.tokens)}")
-        k = self.drafter.config.num_draft_tokens
+        k = wanted(self.drafter.config.num_draft_tokens, max_drafts)
+        if k == 0:
+            self.last = last
+            return no_drafts(self.target)
         cached = self.cache.get_seq_length()
         dev = self.target.get_input_embeddings().weight.device
         real = self.tokens[cached:] + [last]

@@ -25,7 +25,11 @@ target verifies the drafts, and `commit` hands the session what was accepted. Th
                     vocab,) (argmax, or a sample at the generation's temperature)
 
 The engine passes `stop_below=p` (float in (0, 1]) to `propose` only when the drafter's
-`drafts_one_by_one` is True, and calls `propose_tree` only when its `drafts_trees` is True.
+`drafts_one_by_one` is True, and calls `propose_tree` only when its `drafts_trees` is True. It
+passes `max_drafts=k` (0 <= k < drafter.max_drafts) only to a propose that takes it: the "auto"
+draft policy (`inference.policy`) then asks for fewer drafts, or for none (a target-only step,
+after which `commit` follows as usual with the one committed token); a session without it always
+gets full drafts.
 """
 from __future__ import annotations
 
@@ -42,9 +46,11 @@ HiddenStates = Mapping[int, torch.Tensor]
 class DraftSession(Protocol):
     """A chain-drafting session (what `drafter.start(...)` returns)."""
 
-    def propose(self, last: int, position: int, draw: Draw) -> Tuple[List[int], torch.Tensor]:
+    def propose(self, last: int, position: int, draw: Draw,
+                max_drafts: Optional[int] = None) -> Tuple[List[int], torch.Tensor]:
         """Draft after `last` (committed, at `position`; `position` is the number of committed
-        positions before it).
+        positions before it); at most `max_drafts` drafts when given (0: none, and no drafter
+        work beyond noting `last`; optional, see the module docstring).
 
         Returns:
             (drafts, logits): n <= drafter.max_drafts draft token ids (list of int) and their
@@ -67,8 +73,8 @@ class DraftSession(Protocol):
 class OneByOneSession(DraftSession, Protocol):
     """A session of a drafter with `drafts_one_by_one`: one drafter forward per draft."""
 
-    def propose(self, last: int, position: int, draw: Draw,
-                stop_below: float = 0.0) -> Tuple[List[int], torch.Tensor]:
+    def propose(self, last: int, position: int, draw: Draw, stop_below: float = 0.0,
+                max_drafts: Optional[int] = None) -> Tuple[List[int], torch.Tensor]:
         """`DraftSession.propose`, stopping after the first draft whose drafter probability
         (temperature 1) is below `stop_below` (0: never), the draft at which the engine's
         draft_threshold cuts anyway, sparing the forwards after it."""

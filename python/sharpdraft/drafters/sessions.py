@@ -42,6 +42,19 @@ def crop_to(cache, length: int) -> None:
         cache.crop(-extra)
 
 
+def wanted(most: int, max_drafts) -> int:
+    """How many drafts a propose makes: the session's `most`, or fewer when the engine's
+    max_drafts (None: no limit) asks for fewer (`protocol.DraftSession.propose`)."""
+    return most if max_drafts is None else max(0, min(most, int(max_drafts)))
+
+
+def no_drafts(target) -> tuple:
+    """A propose's answer when it drafts nothing (max_drafts=0, a target-only step): ([],
+    float32 logits (0, target vocab))."""
+    w = target.get_output_embeddings().weight
+    return [], torch.zeros((0, w.shape[0]), dtype=torch.float32, device=w.device)
+
+
 def draw_rows(logits: torch.Tensor, draw) -> tuple:
     """Parallel drafters: draft j is drawn from row j - 1 alone; returns (drafts, logits)."""
     return [draw(row) for row in logits], logits

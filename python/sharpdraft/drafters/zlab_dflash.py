@@ -37,7 +37,7 @@ from .base import Drafter
 from .common import default_mask_token_id
 from .config_checks import feature_layer_problems
 from .formats.zlab_dflash import ZLabDFlashConfig, ZLabDFlashFormat, build_target_layer_ids
-from .sessions import draw_rows, state_bytes
+from .sessions import draw_rows, no_drafts, state_bytes, wanted
 
 
 class ZLabDFlashAttention(nn.Module):
@@ -277,12 +277,17 @@ class ZLabDFlashSession:
         """[(k, v)] per layer, (1, Hk, length, d) views of the context keys / values."""
         return [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self._k, self._v)]
 
-    def propose(self, last: int, position: int, draw) -> tuple:
+    def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
+        """The block's drafts (the first max_drafts; the block always runs whole);
+        max_drafts=0 drafts nothing."""
         if position != self.length:
             raise ValueError(f"propose: position {position} is not the number of committed "
                              f"context positions ({self.length})")
-        return draw_rows(self.drafter.draft_logits(self.target, last, position, self.cache),
-                         draw)
+        n = wanted(self.drafter.config.block_size - 1, max_drafts)
+        if n == 0:
+            return no_drafts(self.target)
+        logits = self.drafter.draft_logits(self.target, last, position, self.cache)
+        return draw_rows(logits[:n], draw)
 
     def commit(self, accepted: List[int], hidden_states) -> None:
         """Extend the context K/V with the features of the verification rows now committed

@@ -172,11 +172,12 @@ class AdaptSession:
         self.pending: List[int] = []
         self.position = None
 
-    def propose(self, last: int, position: int, draw) -> tuple:
+    def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
         self.position = position
         if len(self.ids) == position:
             self.ids.append(last)
-        return self.inner.propose(last, position, draw)
+        sized = {} if max_drafts is None else {"max_drafts": max_drafts}
+        return self.inner.propose(last, position, draw, **sized)
 
     @torch.no_grad()
     def _verified(self, n: int, hidden_states) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from .engine import (GenerationResult, autoregressive_generate, speculative_generate,
                      tree_speculative_generate)
+from .policy import resolve
 
 
 def prompt_ids(tokenizer, prompt: str, context: Optional[str] = None,
@@ -23,8 +24,8 @@ def prompt_ids(tokenizer, prompt: str, context: Optional[str] = None,
 
 def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=None,
              max_new_tokens: int = 128, tree: bool = False, temperature: float = 0.0,
-             draft_threshold: Optional[float] = None, seed: int = 0,
-             eos_token_id: Optional[int] = None, chat: bool = True,
+             draft_threshold: Optional[float] = None, policy: Optional[str] = None,
+             seed: int = 0, eos_token_id: Optional[int] = None, chat: bool = True,
              progress=None) -> GenerationResult:
     """Decode `prompt` with `target`, speculatively with `drafter` (None: target-only).
 
@@ -43,9 +44,14 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
         max_new_tokens: tokens to generate (>= 1), EOS included.
         tree: tree drafting (a drafter whose `drafts_trees` is True) instead of chain drafting.
         temperature: 0 = greedy; > 0 = speculative sampling from softmax(logits / temperature).
-        draft_threshold: in [0, 1]; chain drafting verifies drafts only up to the first whose
-            drafter probability is below it (0: all). None: the drafter's measured default
-            (`Drafter.default_draft_threshold`) in chain drafting, 0 otherwise.
+        draft_threshold: in [0, 1], the "fixed" policy's: chain drafting verifies drafts only
+            up to the first whose drafter probability is below it (0: all). None: the
+            drafter's measured default (`Drafter.default_draft_threshold`) in chain drafting, 0
+            otherwise.
+        policy: "auto" (draft length, tree or a target-only step chosen each step from the
+            request's measured costs and acceptance, `inference.policy`) or "fixed" (every step
+            drafts in full, cut by draft_threshold). None: "fixed" when a draft_threshold is
+            given, else "auto".
         seed: seed of the sampling generator.
         progress: optional callable(n) told of every n newly committed tokens.
 
@@ -54,8 +60,8 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
 
     Raises:
         ValueError naming the argument: text prompt without tokenizer, bad ids shape,
-            max_new_tokens < 1, negative temperature, draft_threshold outside [0, 1], a tree
-            with a chain-only drafter, or prompt + max_new_tokens past the target's context
+            max_new_tokens < 1, negative temperature, draft_threshold outside [0, 1], an unknown
+            policy or a draft_threshold with policy "auto", a tree with a chain-only drafter, or prompt + max_new_tokens past the target's context
             (max_position_embeddings).
         RuntimeError: a `TargetRuntime` that another generation is using.
     """
@@ -76,8 +82,10 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
     if tree:
         if draft_threshold:
             raise ValueError("draft_threshold: applies to chain drafting, not tree=True")
-        return tree_speculative_generate(target, drafter, ids, max_new_tokens, **kwargs)
+        return tree_speculative_generate(target, drafter, ids, max_new_tokens,
+                                         policy=resolve(policy, None), **kwargs)
+    policy = resolve(policy, draft_threshold)
     if draft_threshold is None:
-        draft_threshold = drafter.default_draft_threshold
+        draft_threshold = drafter.default_draft_threshold if policy == "fixed" else 0.0
     return speculative_generate(target, drafter, ids, max_new_tokens,
-                                draft_threshold=draft_threshold, **kwargs)
+                                draft_threshold=draft_threshold, policy=policy, **kwargs)

@@ -14,12 +14,15 @@ forward with a tree mask and commit its longest accepted path.
   residual norm(max(0, p_j - q_j)). The committed tokens are distributed exactly as the target's
   own samples (p = softmax(logits / temperature)).
 
-Draft length: by default every proposed draft is verified. With draft_threshold > 0 the
-drafts are cut before the first one whose drafter probability (of the drafted token, at
-temperature 1) falls below the threshold, keeping at least one. The cut depends only on the
-drafter, so both modes stay lossless, and verifying fewer tokens makes a verification forward
-cheaper where its cost grows with its length (CPUs); a drafter that drafts one token a forward
-(`Drafter.drafts_one_by_one`: EAGLE-3) also stops drafting there.
+Draft length (`policy.py`): the "fixed" policy asks for `max_drafts` and verifies every
+proposed draft, or with draft_threshold > 0 cuts the drafts before the first one whose drafter
+probability (of the drafted token, at temperature 1) falls below the threshold, keeping at least
+one; a drafter that drafts one token a forward (`Drafter.drafts_one_by_one`: EAGLE-3) also stops
+drafting there. The "auto" policy picks, each step, the draft length (or tree, or a target-only
+step) with the best expected tokens per second from the request's own measured costs and
+acceptance. Either choice depends only on the drafter and past timings, so decoding stays
+lossless, and verifying fewer tokens makes a verification forward cheaper where its cost grows
+with its length (CPUs).
 
 Statistics: tau (acceptance length) is the mean number of tokens committed per verification
 forward, the target's token included, so 1 <= tau <= max_drafts + 1 (tree: depth + 1). The
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import itertools
 import math
 import threading
@@ -62,6 +66,7 @@ import torch
 from ..target.logits import RowLogits
 from ..target.quantized import is_quantised
 from ..target.runtime import TargetRuntime, prepare_drafter
+from .policy import make_policy, resolve
 from .sampling import probabilities, sample_next
 
 
@@ -88,6 +93,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    policy: Dict[str, object] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -153,7 +159,10 @@ class GenerationResult:
                 "prefill_s": self.prefill_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s,
                 "draft_ms_per_step": self._per_step_ms(self.draft_s),
-                "verify_ms_per_step": self._per_step_ms(self.verify_s)}
+                "verify_ms_per_step": self._per_step_ms(self.verify_s),
+                "draft_policy": self.policy.get("policy"),
+                "drafted_share": self.policy.get("drafted_share"),
+                "policy_estimates": self.policy or None}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                 for k, v in out.items()}
 
@@ -445,7 +454,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
                          max_new_tokens: int, *, temperature: float = 0.0,
                          eos_token_id: Optional[int] = None,
                          generator: Optional[torch.Generator] = None,
-                         progress=None, draft_threshold: float = 0.0) -> GenerationResult:
+                         progress=None, draft_threshold: float = 0.0,
+                         policy: str = "fixed") -> GenerationResult:
     """Chain speculative decoding with any drafter (batch size 1), lossless.
 
     Args:
@@ -457,10 +467,15 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
         prompt_ids, max_new_tokens, temperature, eos_token_id, generator, progress: as in
             `autoregressive_generate`.
         draft_threshold: in [0, 1]; 0 verifies every proposed draft, else drafts stop before the
-            first whose drafter probability is below it (at least one draft is kept).
+            first whose drafter probability is below it (at least one draft is kept); the
+            "fixed" policy's.
+        policy: "fixed" (every step asks for max_drafts, cut by draft_threshold) or "auto"
+            (draft length, or a target-only step, chosen each step from the request's measured
+            costs and acceptance; `policy.py`).
 
     Raises:
-        ValueError: as `autoregressive_generate`, or draft_threshold outside [0, 1].
+        ValueError: as `autoregressive_generate`, draft_threshold outside [0, 1], an unknown
+            policy, or a draft_threshold with policy "auto".
         RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
 
     Returns:
@@ -468,34 +483,56 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     """
     if not 0.0 <= draft_threshold <= 1.0:
         raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
+    policy = resolve(policy, draft_threshold)
     capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
     with runtime_session(target, capacity, drafter.hidden_layers) as runtime:
         return _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
-                           eos_token_id, generator, progress, draft_threshold)
+                           eos_token_id, generator, progress, draft_threshold, policy)
+
+
+def _takes_max_drafts(session) -> bool:
+    """Whether the session's propose takes `max_drafts` (`drafters.protocol`)."""
+    propose = getattr(session, "propose", None)
+    try:
+        return propose is not None and "max_drafts" in inspect.signature(propose).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _confidences(d_logits: torch.Tensor, drafts: List[int]) -> List[float]:
+    """The drafter probability (temperature 1) of each draft under its own row."""
+    if not drafts:
+        return []
+    rows = torch.softmax(d_logits[:len(drafts)].float(), dim=-1)
+    return rows[torch.arange(len(drafts)), drafts].tolist()
 
 
 def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_token_id,
-                generator, progress, draft_threshold) -> GenerationResult:
+                generator, progress, draft_threshold, policy) -> GenerationResult:
     """`speculative_generate`'s prefill and steps on a started runtime."""
     session, result, tick, start = _prefill(runtime, drafter, prompt_ids, temperature,
                                             generator, progress, drafter.max_drafts)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
+    sized = _takes_max_drafts(session)
+    pol = make_policy(policy, drafter, draft_threshold, sized=sized)
     # a drafter that drafts one token a forward stops where the threshold cuts (same drafts)
     stop = ({"stop_below": draft_threshold}
-            if draft_threshold > 0 and getattr(drafter, "drafts_one_by_one", False) else {})
+            if policy == "fixed" and draft_threshold > 0
+            and getattr(drafter, "drafts_one_by_one", False) else {})
+    cutting = policy == "auto" or draft_threshold > 0
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length                  # = position of `last`
+        asked = pol.plan()
+        sizing = {"max_drafts": asked} if sized and asked != drafter.max_drafts else {}
         drafts, d_logits = session.propose(last, committed,
                                            lambda row: _pick(row, temperature, generator),
-                                           **stop)
-        q_probs = None if temperature == 0 else probabilities(d_logits, temperature)
-        if draft_threshold > 0:
-            conf = torch.softmax(d_logits.float(), dim=-1)[torch.arange(len(drafts)), drafts]
-            low = (conf < draft_threshold).nonzero()
-            n_draft = max(1, int(low[0, 0])) if len(low) else len(drafts)
-            drafts = drafts[:n_draft]
-            q_probs = None if q_probs is None else q_probs[:n_draft]
+                                           **stop, **sizing)
+        conf = _confidences(d_logits, drafts) if cutting else []
+        n_draft = pol.cut(conf, time.perf_counter() - t0) if cutting else len(drafts)
+        drafts, d_logits = drafts[:n_draft], d_logits[:n_draft]
+        q_probs = None if temperature == 0 or not drafts else probabilities(d_logits,
+                                                                            temperature)
         t1 = time.perf_counter()
         ids = torch.tensor([[last] + drafts], device=dev)
         out = runtime.forward(ids)
@@ -504,11 +541,14 @@ def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_t
         runtime.crop(committed + len(accepted))     # roll back past the first rejection
         t2 = time.perf_counter()
         session.commit(accepted, out.hidden)
-        result.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        draft_s = (t1 - t0) + (time.perf_counter() - t2)
+        result.draft_s += draft_s
         result.verify_s += t2 - t1
+        pol.observe(asked, draft_s, conf, len(drafts), len(accepted) - 1, t2 - t1)
         last = _record_step(result, accepted, len(drafts), committed, eos_token_id,
                             max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
+    result.policy = pol.report()
     return result
 
 
@@ -557,7 +597,7 @@ def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> 
 def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
                               temperature: float = 0.0, eos_token_id: Optional[int] = None,
                               generator: Optional[torch.Generator] = None,
-                              progress=None) -> GenerationResult:
+                              progress=None, policy: str = "fixed") -> GenerationResult:
     """Tree speculative decoding (batch size 1), lossless, with a drafter whose session has
     `propose_tree` (EAGLE-3). Greedy output equals target-only output exactly: the kernel
     computes a tree node's row with the same bits as the row decoded alone (docs/runtime.md).
@@ -567,8 +607,10 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     ancestors and itself, at position P + depth); `verify_tree` commits the accepted path plus one
     target token, and the target cache keeps only the path's entries.
 
-    Args: as `speculative_generate` (no draft_threshold). Returns: GenerationResult
-    (draft_lengths holds the tree sizes).
+    Args: as `speculative_generate` (no draft_threshold); policy "fixed" drafts a tree every
+    step, "auto" a tree or a target-only step, whichever the request's measured costs and
+    acceptance favour (`policy.py`). Returns: GenerationResult (draft_lengths holds the tree
+    sizes, 0 for a target-only step).
 
     Raises:
         ValueError: as `speculative_generate`, or a drafter that does not draft trees.
@@ -577,40 +619,54 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     if not getattr(drafter, "drafts_trees", False):
         raise ValueError(f"drafter: {type(drafter).__name__} does not draft trees (EAGLE-3 "
                          f"does); use speculative_generate")
+    policy = resolve(policy, None)
     capacity = _check(target, prompt_ids, max_new_tokens, temperature,
                       drafter.max_tree_nodes + 1)
     with runtime_session(target, capacity, drafter.hidden_layers) as runtime:
         return _tree_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
-                          eos_token_id, generator, progress)
+                          eos_token_id, generator, progress, policy)
 
 
 def _tree_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_token_id,
-               generator, progress) -> GenerationResult:
+               generator, progress, policy) -> GenerationResult:
     """`tree_speculative_generate`'s prefill and steps on a started runtime."""
     session, result, tick, start = _prefill(runtime, drafter, prompt_ids, temperature,
                                             generator, progress, drafter.max_tree_nodes,
                                             block_size=drafter.max_tree_depth + 1)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
+    pol = make_policy(policy, drafter, tree=True, sized=_takes_max_drafts(session))
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length
-        tree = session.propose_tree(last, committed)
-        t1 = time.perf_counter()
-        n = len(tree)
-        mask = torch.zeros(1 + n, committed + 1 + n, dtype=torch.bool, device=dev)
-        mask[:, :committed + 1] = True
-        mask[1:, committed + 1:] = tree.mask(dev)
-        pos = torch.tensor([[committed] + [committed + d for d in tree.depths]], device=dev)
-        ids = torch.tensor([[last] + tree.tokens], device=dev)
-        out = runtime.forward(ids, attention_mask=mask[None, None], position_ids=pos)
+        asked = pol.plan()
+        if asked == 0:                 # a target-only step: a chain propose of no drafts
+            session.propose(last, committed, lambda row: _pick(row, temperature, generator),
+                            max_drafts=0)
+            t1 = time.perf_counter()
+            n = 0
+            out = runtime.forward(torch.tensor([[last]], device=dev))
+            path, accepted = [], [_pick(out.row_logits[0], temperature, generator)]
+        else:
+            tree = session.propose_tree(last, committed)
+            t1 = time.perf_counter()
+            n = len(tree)
+            mask = torch.zeros(1 + n, committed + 1 + n, dtype=torch.bool, device=dev)
+            mask[:, :committed + 1] = True
+            mask[1:, committed + 1:] = tree.mask(dev)
+            pos = torch.tensor([[committed] + [committed + d for d in tree.depths]], device=dev)
+            ids = torch.tensor([[last] + tree.tokens], device=dev)
+            out = runtime.forward(ids, attention_mask=mask[None, None], position_ids=pos)
+            path, accepted = verify_tree(out.row_logits, tree, temperature, generator)
+            runtime.keep(committed + 1, path)
         result.target_forwards += 1
-        path, accepted = verify_tree(out.row_logits, tree, temperature, generator)
-        runtime.keep(committed + 1, path)
         t2 = time.perf_counter()
         rows = torch.tensor([0] + [1 + i for i in path], device=dev)
         session.commit(accepted, {i: h.index_select(1, rows) for i, h in out.hidden.items()})
-        result.draft_s += (t1 - t0) + (time.perf_counter() - t2)
+        draft_s = (t1 - t0) + (time.perf_counter() - t2)
+        result.draft_s += draft_s
         result.verify_s += t2 - t1
+        pol.observe(asked, draft_s, [], n, len(accepted) - 1, t2 - t1)
         last = _record_step(result, accepted, n, committed, eos_token_id, max_new_tokens, tick)
     result.wall_s = time.perf_counter() - start
+    result.policy = pol.report()
     return result

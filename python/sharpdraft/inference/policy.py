@@ -1,0 +1,255 @@
+"""Draft policies: how many drafts a speculative step asks for and verifies, and whether it drafts
+at all.
+
+"fixed" is what the engine always did: every step asks the session for `max_drafts` drafts and
+verifies them up to the first whose drafter probability is below `draft_threshold` (the measured
+default of `Drafter.default_draft_threshold`); a tree step verifies the whole tree.
+
+"auto" (issue 53) chooses from what this request measured, for any drafter (no switch on kinds):
+
+- costs: verify(r), the target forward over r rows, as a recency-weighted line a + b (r - 1)
+  through the steps' own timings (a is a target-only step; the line follows the context as it
+  grows); draft(k), the session's propose + commit asking for k drafts, likewise a line (a
+  parallel drafter's cost barely moves with k; a one-by-one drafter's is about k forwards when
+  only one k was seen);
+- acceptance: alpha_j, the share of steps that reached draft j (every earlier draft accepted)
+  and accepted it, and a(p), the same share among drafts whose drafter probability p fell in
+  one of ten bins (Beta priors: alpha_j 1/2, a(p) the bin's centre);
+- each step it asks for the k in 0 .. max_drafts that maximises expected committed tokens per
+  second, (1 + sum_j prod_{i <= j} alpha_i) / (draft(k) + verify(k + 1)), where k = 0 is a
+  target-only step at 1 / (verify(1) + the session's commit); after the drafts come it verifies
+  the prefix that maximises the same rate with their own a(p_j) and the drafting already paid;
+- when a target-only step wins it decodes target-only for a back-off of 4 steps (doubling to 64
+  while probes keep losing), then probes again with its best k. The first steps measure: one
+  full draft, one target-only step.
+
+Every choice depends only on the drafts, the drafter's own probabilities and past timings, never
+on the target's output of the step being chosen, so decoding stays lossless (greedy output
+equals target-only decoding; sampling follows the target's distribution, as with any draft
+length).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence
+
+POLICIES = ("auto", "fixed")
+
+
+def resolve(policy: Optional[str], draft_threshold: Optional[float]) -> str:
+    """The policy a call runs: `policy`, or when None "fixed" if a draft_threshold is given (the
+    threshold is the fixed policy's) else "auto".
+
+    Raises:
+        ValueError naming the argument: an unknown policy, or a draft_threshold with "auto".
+    """
+    if policy is None:
+        return "fixed" if draft_threshold is not None else "auto"
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy == "auto" and draft_threshold:
+        raise ValueError("draft_threshold: applies to the fixed policy (policy='fixed'); "
+                         "'auto' chooses draft lengths itself")
+    return policy
+
+
+class LineFit:
+    """y ~ a + b x by least squares over the last `keep` observations, the newest weighted 1, each
+    older one `decay` times its successor. With one distinct x seen, `proportional` predicts
+    y x / x0 (x0 > 0), else the weighted mean."""
+
+    def __init__(self, keep: int = 24, decay: float = 0.85, proportional: bool = False):
+        self.points: List[tuple] = []
+        self.keep, self.decay, self.proportional = keep, decay, proportional
+
+    def add(self, x: float, y: float) -> None:
+        self.points = (self.points + [(float(x), float(y))])[-self.keep:]
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def predict(self, x: float) -> float:
+        """The fitted y at x (NaN before any observation)."""
+        if not self.points:
+            return math.nan
+        n = len(self.points)
+        w = [self.decay ** (n - 1 - i) for i in range(n)]
+        sw = sum(w)
+        mx = sum(wi * p[0] for wi, p in zip(w, self.points)) / sw
+        my = sum(wi * p[1] for wi, p in zip(w, self.points)) / sw
+        sxx = sum(wi * (p[0] - mx) ** 2 for wi, p in zip(w, self.points))
+        if sxx < 1e-9:                              # one distinct x
+            return my * x / mx if self.proportional and mx > 0 else my
+        b = sum(wi * (p[0] - mx) * (p[1] - my) for wi, p in zip(w, self.points)) / sxx
+        return max(0.0, my + max(0.0, b) * (x - mx))
+
+
+class FixedPolicy:
+    """Every step asks for `max_drafts` and verifies up to the first draft whose drafter
+    probability is below `draft_threshold` (at least one)."""
+
+    name = "fixed"
+
+    def __init__(self, max_drafts: int, draft_threshold: float = 0.0):
+        self.max_drafts, self.draft_threshold = max_drafts, draft_threshold
+        self.steps = self.drafted = 0
+
+    def plan(self) -> int:
+        return self.max_drafts
+
+    def cut(self, confidences: Sequence[float], draft_s: float) -> int:
+        low = [j for j, c in enumerate(confidences) if c < self.draft_threshold]
+        return max(1, low[0]) if low and self.draft_threshold > 0 else len(confidences)
+
+    def observe(self, asked: int, draft_s: float, confidences: Sequence[float], verified: int,
+                accepted: int, verify_s: float) -> None:
+        self.steps += 1
+        self.drafted += verified > 0
+
+    def report(self) -> dict:
+        return {"policy": self.name, "drafted_share": self.drafted / self.steps
+                if self.steps else None, "draft_threshold": self.draft_threshold}
+
+
+class AutoPolicy:
+    """The cost-aware policy of the module docstring, for chains (`plan` / `cut` / `observe`) and,
+    with `tree_nodes`, for trees (plan returns `tree_nodes` or 0: a whole tree or a target-only
+    step)."""
+
+    name = "auto"
+    BINS = 10
+    BACKOFF = (4, 64)
+
+    def __init__(self, max_drafts: int, one_by_one: bool = False, tree_nodes: int = 0,
+                 sized: bool = True):
+        self.max_drafts, self.tree_nodes, self.sized = max_drafts, tree_nodes, sized
+        self.verify = LineFit()
+        self.draft = LineFit(proportional=one_by_one)
+        self.idle = LineFit()                       # a target-only step's session cost
+        self.reached = [0] * (max_drafts + 1)      # by draft position (1-based)
+        self.taken = [0] * (max_drafts + 1)
+        self.bin_seen = [0] * self.BINS
+        self.bin_taken = [0] * self.BINS
+        self.tree_tokens = LineFit(decay=0.9)      # accepted drafts per tree step
+        self.steps = self.drafted = 0
+        self.backoff, self.skip_left = self.BACKOFF[0], 0
+
+    # ----- estimates ---------------------------------------------------------------------------
+    def alpha(self, j: int) -> float:
+        """P(draft j accepted | drafts < j accepted), Beta(1, 1) prior."""
+        return (self.taken[j] + 1) / (self.reached[j] + 2)
+
+    def accept(self, p: float) -> float:
+        """P(a reached draft of drafter probability p is accepted), prior the bin's centre."""
+        b = min(self.BINS - 1, max(0, int(p * self.BINS)))
+        centre = (b + 0.5) / self.BINS
+        return (self.bin_taken[b] + 2 * centre) / (self.bin_seen[b] + 2)
+
+    def target_rate(self) -> float:
+        """Tokens per second of a target-only step."""
+        idle = self.idle.predict(0) if self.idle else 0.0
+        return 1.0 / (self.verify.predict(1) + idle)
+
+    def rate(self, k: int) -> float:
+        """Expected committed tokens per second of a step asking for k drafts (k >= 1)."""
+        if self.tree_nodes:
+            gain = self.tree_tokens.predict(0) if self.tree_tokens else 1.0
+            return (1.0 + gain) / (self.draft.predict(k) + self.verify.predict(k + 1))
+        gain, reach = 0.0, 1.0
+        for j in range(1, k + 1):
+            reach *= self.alpha(j)
+            gain += reach
+        return (1.0 + gain) / (self.draft.predict(k) + self.verify.predict(k + 1))
+
+    def _choices(self) -> range:
+        return range(self.tree_nodes, self.tree_nodes + 1) if self.tree_nodes else \
+            range(1, self.max_drafts + 1)
+
+    # ----- the step's choices ------------------------------------------------------------------
+    def plan(self) -> int:
+        """How many drafts to ask for (a tree: `tree_nodes` or 0); 0 = a target-only step. A
+        session whose propose takes no max_drafts (`sized` False) always gets the full
+        draft (the verified prefix is still chosen, `cut`)."""
+        full = self.tree_nodes or self.max_drafts
+        if not self.draft or not self.sized:         # first: measure a full draft
+            return full
+        if not any(x == 1 for x, _ in self.verify.points):
+            return 0                                 # then: measure a target-only step
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            if self.skip_left == 0:                  # probe again
+                return max(self._choices(), key=self.rate)
+            return 0
+        best = max(self._choices(), key=self.rate)
+        if self.rate(best) > self.target_rate():
+            self.backoff = self.BACKOFF[0]
+            return best
+        self.skip_left = self.backoff
+        self.backoff = min(2 * self.backoff, self.BACKOFF[1])
+        return 0
+
+    def cut(self, confidences: Sequence[float], draft_s: float) -> int:
+        """How many of the drafts to verify: the prefix with the best expected rate given their
+        drafter probabilities and the drafting already paid (at least 1; trees: all)."""
+        if self.tree_nodes or not confidences:
+            return len(confidences)
+        best, best_rate, gain, reach = 1, -1.0, 0.0, 1.0
+        for j, p in enumerate(confidences, 1):
+            reach *= self.accept(p)
+            gain += reach
+            rate = (1.0 + gain) / (draft_s + self.verify.predict(j + 1))
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best
+
+    def observe(self, asked: int, draft_s: float, confidences: Sequence[float], verified: int,
+                accepted: int, verify_s: float) -> None:
+        """A step's outcome: `asked` drafts asked for, `draft_s` seconds of propose + commit,
+        the drafter probabilities of the drafts, `verified` of them verified, `accepted` of
+        those accepted, `verify_s` seconds of the target forward over verified + 1 rows."""
+        self.steps += 1
+        self.verify.add(verified + 1, verify_s)
+        if asked == 0:
+            self.idle.add(0, draft_s)
+            return
+        self.drafted += 1
+        self.draft.add(asked, draft_s)
+        if self.tree_nodes:
+            self.tree_tokens.add(0, accepted)
+            return
+        for j in range(1, min(verified, accepted + 1) + 1):   # reached drafts
+            self.reached[j] += 1
+            self.taken[j] += j <= accepted
+            b = min(self.BINS - 1, max(0, int(confidences[j - 1] * self.BINS)))
+            self.bin_seen[b] += 1
+            self.bin_taken[b] += j <= accepted
+
+    def report(self) -> Dict[str, object]:
+        """The policy's estimates, JSON-ready (ms; None where not measured)."""
+        def ms(v):
+            return None if not math.isfinite(v) else round(1e3 * v, 3)
+
+        out = {"policy": self.name,
+               "drafted_share": self.drafted / self.steps if self.steps else None,
+               "target_step_ms": ms(self.verify.predict(1)) if self.verify else None,
+               "verify_ms_per_row": ms(self.verify.predict(2) - self.verify.predict(1))
+               if self.verify else None,
+               "draft_ms": {k: ms(self.draft.predict(k)) for k in self._choices()}
+               if self.draft else None}
+        if self.tree_nodes:
+            out["tree_accepted"] = self.tree_tokens.predict(0) if self.tree_tokens else None
+        else:
+            out["acceptance_by_position"] = [round(self.alpha(j), 3)
+                                             for j in range(1, self.max_drafts + 1)]
+        return out
+
+
+def make_policy(name: str, drafter, draft_threshold: float = 0.0, tree: bool = False,
+                sized: bool = True):
+    """The policy object `name` ("auto" / "fixed") for one generation with `drafter`; `sized`:
+    whether its session's propose takes max_drafts (`drafters.protocol`)."""
+    if name == "fixed":
+        return FixedPolicy(drafter.max_tree_nodes if tree else drafter.max_drafts,
+                           0.0 if tree else draft_threshold)
+    return AutoPolicy(drafter.max_drafts, bool(getattr(drafter, "drafts_one_by_one", False)),
+                      drafter.max_tree_nodes if tree else 0, sized)
