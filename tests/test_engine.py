@@ -235,10 +235,12 @@ def assert_second_token_follows_target(run, small, prompt, seed: int, n: int = 5
     assert chi_square(counts, p2) < 26.0, (counts / n, p2)
 
 
-@pytest.mark.parametrize("draft_threshold", [0.0, 0.13])
-def test_sampling_matches_target_distribution(target, draft_threshold):
+@pytest.mark.parametrize("draft_threshold,policy", [(0.0, "fixed"), (0.13, "fixed"),
+                                                    (0.0, "auto")])
+def test_sampling_matches_target_distribution(target, draft_threshold, policy):
     """End to end: marginals of the 2nd and 3rd new tokens vs the exact target distribution
-    (with draft_threshold 0.13 the random drafter's blocks, p ~ 1/8 each, are cut at random)."""
+    (with draft_threshold 0.13 the random drafter's blocks, p ~ 1/8 each, are cut at random;
+    under auto the tokens come from drafted and target-only steps)."""
     small = tiny_target(seed=5, vocab=8)
     drafter = tiny_drafter(small, block_size=3)
     prompt = torch.tensor([[1, 5, 2, 7]])
@@ -253,7 +255,7 @@ def test_sampling_matches_target_distribution(target, draft_threshold):
     c2, c3 = torch.zeros(8), torch.zeros(8)
     for _ in range(N):
         toks = speculative_generate(small, drafter, prompt, 3, temperature=1.0, generator=g,
-                                    draft_threshold=draft_threshold).tokens
+                                    draft_threshold=draft_threshold, policy=policy).tokens
         c2[toks[1]] += 1
         c3[toks[2]] += 1
     # df 7: P(chi2 > 26) ~ 5e-4

@@ -191,8 +191,8 @@ class AutoPolicy:
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
         """How many of the drafts to verify: the prefix with the best expected rate given their
         drafter probabilities and the drafting already paid (at least 1; trees: all)."""
-        if self.tree_nodes or not confidences:
-            return len(confidences)
+        if self.tree_nodes or not confidences or not self.verify:
+            return len(confidences)                  # (before any verify timing: measure all)
         best, best_rate, gain, reach = 1, -1.0, 0.0, 1.0
         for j, p in enumerate(confidences, 1):
             reach *= self.accept(p)
