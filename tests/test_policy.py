@@ -35,7 +35,7 @@ def test_line_fit_is_weighted_least_squares():
 
 
 def test_resolve_names_the_argument():
-    assert resolve(None, None) == "auto" and resolve(None, 0.3) == "fixed"
+    assert resolve(None, None) == "fixed" and resolve(None, 0.3) == "fixed"
     assert resolve("auto", 0.0) == "auto"
     with pytest.raises(ValueError, match="policy"):
         resolve("greedy", None)
@@ -69,16 +69,17 @@ def test_auto_drafts_in_full_where_rows_are_cheap_and_drafts_accepted():
 
 
 def test_auto_decodes_target_only_where_drafting_cannot_pay_and_backs_off():
-    """Rows cost as much as a step and nothing is accepted: after the two measuring steps every
-    plan is a target-only step except probes after runs of 4, 8, 16 target-only steps."""
+    """Rows cost as much as a step and nothing is accepted: after the measuring steps (a full
+    draft, a target-only step, full drafts until 6 drafted) every plan is a target-only step
+    except probes after runs of 2, 4, 8, 16 target-only steps."""
     p = AutoPolicy(max_drafts=4)
     asked = run_steps(p, verify_s=lambda r: 0.010 * r, draft_s=lambda k: 0.002 * k,
-                      accept=lambda n: 0, steps=40)
+                      accept=lambda n: 0, steps=60)
     drafted = [i for i, k in enumerate(asked) if k]
-    assert drafted[0] == 0 and asked[1] == 0
-    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
-    assert gaps[:3] == [1 + 4 + 1, 8 + 1, 16 + 1], (asked, gaps)   # (+ the measuring step)
-    assert len(drafted) == 4
+    assert drafted[:6] == [0, 2, 3, 4, 5, 6] and asked[1] == 0
+    gaps = [b - a for a, b in zip(drafted[5:], drafted[6:])]
+    assert gaps[:4] == [2 + 1, 4 + 1, 8 + 1, 16 + 1], (asked, gaps)
+    assert len(drafted) == 10
 
 
 def test_cut_keeps_the_prefix_with_the_best_expected_rate():
@@ -124,10 +125,12 @@ def test_auto_is_lossless_for_every_kind(name, target):
         assert tree.policy["policy"] == "auto" and "tree_accepted" in tree.policy
 
 
-def test_generate_defaults_to_auto_and_a_threshold_to_fixed(target):
+def test_generate_takes_the_policy_and_defaults_to_fixed(target):
     drafter = registry.build_untrained("eagle3", target, Tok(), layers=2, seed=3)
     prompt = torch.randint(3, 256, (1, 9), generator=torch.Generator().manual_seed(4))
-    assert generate(target, drafter, prompt, max_new_tokens=8).policy["policy"] == "auto"
+    assert generate(target, drafter, prompt, max_new_tokens=8).policy["policy"] == "fixed"
+    auto = generate(target, drafter, prompt, max_new_tokens=8, policy="auto")
+    assert auto.policy["policy"] == "auto"
     fixed = generate(target, drafter, prompt, max_new_tokens=8, draft_threshold=0.0)
     assert fixed.policy["policy"] == "fixed" and 0 not in fixed.draft_lengths
     with pytest.raises(ValueError, match="draft_threshold"):

@@ -50,8 +50,7 @@ def generate(target, drafter, prompt: Union[str, torch.Tensor], *, tokenizer=Non
             otherwise.
         policy: "auto" (draft length, tree or a target-only step chosen each step from the
             request's measured costs and acceptance, `inference.policy`) or "fixed" (every step
-            drafts in full, cut by draft_threshold). None: "fixed" when a draft_threshold is
-            given, else "auto".
+            drafts in full, cut by draft_threshold). None: "fixed".
         seed: seed of the sampling generator.
         progress: optional callable(n) told of every n newly committed tokens.
 

@@ -19,9 +19,9 @@ default of `Drafter.default_draft_threshold`); a tree step verifies the whole tr
   second, (1 + sum_j prod_{i <= j} alpha_i) / (draft(k) + verify(k + 1)), where k = 0 is a
   target-only step at 1 / (verify(1) + the session's commit); after the drafts come it verifies
   the prefix that maximises the same rate with their own a(p_j) and the drafting already paid;
-- when a target-only step wins it decodes target-only for a back-off of 4 steps (doubling to 64
+- when a target-only step wins it decodes target-only for a back-off of 2 steps (doubling to 32
   while probes keep losing), then probes again with its best k. The first steps measure: one
-  full draft, one target-only step.
+  full draft, one target-only step, then full drafts until 6 steps have drafted.
 
 Every choice depends only on the drafts, the drafter's own probabilities and past timings, never
 on the target's output of the step being chosen, so decoding stays lossless (greedy output
@@ -37,14 +37,16 @@ POLICIES = ("auto", "fixed")
 
 
 def resolve(policy: Optional[str], draft_threshold: Optional[float]) -> str:
-    """The policy a call runs: `policy`, or when None "fixed" if a draft_threshold is given (the
-    threshold is the fixed policy's) else "auto".
+    """The policy a call runs: `policy`, or "fixed" when None. (auto is not the default yet: on
+    a 2-core AVX2 EPYC it measured 1.03x target-only against fixed's 1.14x for EAGLE-3 on a
+    512-token Genesis prompt, though 0.88x / 0.89x against 0.63x / 0.79x for PARD / DFlash;
+    docs/drafters.md.)
 
     Raises:
         ValueError naming the argument: an unknown policy, or a draft_threshold with "auto".
     """
     if policy is None:
-        return "fixed" if draft_threshold is not None else "auto"
+        return "fixed"
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if policy == "auto" and draft_threshold:
@@ -54,16 +56,20 @@ def resolve(policy: Optional[str], draft_threshold: Optional[float]) -> str:
 
 
 class LineFit:
-    """y ~ a + b x by least squares over the last `keep` observations, the newest weighted 1, each
-    older one `decay` times its successor. With one distinct x seen, `proportional` predicts
-    y x / x0 (x0 > 0), else the weighted mean."""
+    """y ~ a + b x by least squares over the last `keep` observations of each x, the newest
+    weighted 1, each older one `decay` times its successor (so a run of one x, such as
+    target-only steps, does not push the others out). With one distinct x seen, `proportional`
+    predicts y x / x0 (x0 > 0), else the weighted mean."""
 
-    def __init__(self, keep: int = 24, decay: float = 0.85, proportional: bool = False):
+    def __init__(self, keep: int = 8, decay: float = 0.9, proportional: bool = False):
         self.points: List[tuple] = []
         self.keep, self.decay, self.proportional = keep, decay, proportional
 
     def add(self, x: float, y: float) -> None:
-        self.points = (self.points + [(float(x), float(y))])[-self.keep:]
+        self.points.append((float(x), float(y)))
+        same = [i for i, p in enumerate(self.points) if p[0] == float(x)]
+        if len(same) > self.keep:
+            del self.points[same[0]]
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -118,7 +124,8 @@ class AutoPolicy:
 
     name = "auto"
     BINS = 10
-    BACKOFF = (4, 64)
+    BACKOFF = (2, 32)
+    WARMUP = 6                      # drafted steps at full length before the first choice
 
     def __init__(self, max_drafts: int, one_by_one: bool = False, tree_nodes: int = 0,
                  sized: bool = True):
@@ -175,6 +182,8 @@ class AutoPolicy:
             return full
         if not any(x == 1 for x, _ in self.verify.points):
             return 0                                 # then: measure a target-only step
+        if self.drafted < self.WARMUP:               # then: enough drafts to judge them by
+            return full
         if self.skip_left > 0:
             self.skip_left -= 1
             if self.skip_left == 0:                  # probe again
