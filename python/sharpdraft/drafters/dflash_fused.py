@@ -20,7 +20,6 @@ from typing import List, Optional
 import torch
 from sharpdraft_ext import cpu_runtime
 
-from .. import settings
 from ..target.kv_cache import PreallocatedCache
 from . import fused
 from .fused import Head, q8, weights_key
@@ -39,36 +38,25 @@ def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
     return fused.problems(drafter, target, head, widths, inputs, c.hidden_act)
 
 
-class FusedDFlashStep:
+class FusedDFlashStep(fused.FusedStep):
     """The arguments of `dflash_layers` for one DFlash drafter and target: the context
     projection, every layer's linears as Q8_0 blocks (q/k/v, the context's k/v and gate/up side
     by side), norms (q/k norms where the config has qk_norm), the final norm and the head
     (`fused.Head`). Build it with `FusedDFlashStep.build(drafter, target)` (None where `problems`
-    names a reason); `fresh(drafter, target)` tells whether the weights it was made from are
-    unchanged."""
+    names a reason)."""
 
     name = "dflash_layers"
+    problems = staticmethod(problems)
 
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
         c = drafter.config
         self.fc = q8(drafter.fc.weight)
         self.hidden_norm = drafter.hidden_norm.weight.detach().contiguous()
-        keys = ("input_norm", "post_norm", "qkv", "kv", "o_proj", "gate_up", "down")
-        self.stack = {key: [] for key in keys}
-        self.qk_norms = ([], [])
-        for layer in drafter.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            self.stack["input_norm"].append(layer.input_layernorm.weight.detach().contiguous())
-            self.stack["post_norm"].append(
-                layer.post_attention_layernorm.weight.detach().contiguous())
-            self.stack["qkv"].append(q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight))
-            self.stack["kv"].append(q8(att.k_proj.weight, att.v_proj.weight))
-            self.stack["o_proj"].append(q8(att.o_proj.weight))
-            self.stack["gate_up"].append(q8(mlp.gate_proj.weight, mlp.up_proj.weight))
-            self.stack["down"].append(q8(mlp.down_proj.weight))
-            if c.qk_norm:
-                self.qk_norms[0].append(att.q_norm.weight.detach().contiguous())
-                self.qk_norms[1].append(att.k_norm.weight.detach().contiguous())
+        self.stack = fused.pack_layers(drafter.layers, context_kv=True)
+        self.qk_norms = ([layer.self_attn.q_norm.weight.detach().contiguous()
+                          for layer in drafter.layers],
+                         [layer.self_attn.k_norm.weight.detach().contiguous()
+                          for layer in drafter.layers]) if c.qk_norm else ([], [])
         self.qtypes = [fused.Q8_0] * (4 * len(drafter.layers))
         self.final_norm = drafter.norm.weight.detach().contiguous()
         self.head = Head(drafter, target,
@@ -76,21 +64,6 @@ class FusedDFlashStep:
         self.geometry = (c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                          c.intermediate_size, float(c.rms_norm_eps))
         self.key = weights_key(drafter, target)
-
-    @classmethod
-    def build(cls, drafter, target, reuse: Optional["FusedDFlashStep"] = None
-              ) -> Optional["FusedDFlashStep"]:
-        """The step for `drafter` and `target`: None where `problems` names a reason, else
-        `reuse` while its weights are unchanged, else a new one."""
-        if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
-            return None
-        if reuse is not None and reuse.fresh(drafter, target):
-            return reuse
-        head = drafter.draft_head_weight(target)
-        return None if problems(drafter, target, head) else cls(drafter, target, head)
-
-    def fresh(self, drafter, target) -> bool:
-        return self.key == weights_key(drafter, target)
 
     @staticmethod
     def covers(drafter, block: torch.Tensor, context: torch.Tensor, cache) -> bool:
@@ -112,11 +85,7 @@ class FusedDFlashStep:
         start = fused.claim_rows(layers, tn + b, block, hk, d)
         cos, sin = drafter.rotary_emb(block, positions)
         ctx_cos, ctx_sin = drafter.rotary_emb(block, context_positions)
-        floats, slopes = [], []
-        for i in range(len(layers)):
-            mode, slope, per_head, kw = fused.scaling(drafter.sharp, i)
-            floats.append(slope)
-            slopes.append(per_head)
+        mode, floats, slopes, kw = fused.layer_scalings(drafter.sharp, len(layers))
         logits = cpu_runtime.dflash_layers(
             block[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
             context[0].float().contiguous(), ctx_cos[0].contiguous(), ctx_sin[0].contiguous(),

@@ -22,7 +22,6 @@ from typing import List, Optional, Tuple
 import torch
 from sharpdraft_ext import cpu_runtime
 
-from .. import settings
 from ..target.kv_cache import PreallocatedCache
 from . import fused
 from .fused import Head, q8, weights_key
@@ -40,15 +39,15 @@ def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
                           c.hidden_act)
 
 
-class FusedEagle3Step:
+class FusedEagle3Step(fused.FusedStep):
     """The arguments of `eagle3_layer` for one drafter and target: the layer's linears and the
     draft head as Q8_0 blocks (q/k/v and gate/up side by side; the target's own quantised head
     where there is no draft vocabulary, `fused.Head`), the norms, the geometry and the
     attention's scaling. Build it with `FusedEagle3Step.build(drafter, target)` (None where
-    `problems` names a reason); `fresh(drafter, target)` tells whether the weights it was made
-    from are unchanged."""
+    `problems` names a reason)."""
 
     name = "eagle3_layer"
+    problems = staticmethod(problems)
 
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
         att, mlp, c = drafter.self_attn, drafter.mlp, drafter.config
@@ -66,27 +65,6 @@ class FusedEagle3Step:
                          c.intermediate_size, float(c.rms_norm_eps))
         self.feed_normed = bool(c.feed_normed_output)
         self.key = weights_key(drafter, target)
-
-    @classmethod
-    def build(cls, drafter, target, reuse: Optional["FusedEagle3Step"] = None
-              ) -> Optional["FusedEagle3Step"]:
-        """The step for `drafter` and `target`: None where `problems` names a reason, else
-        `reuse` while its weights are unchanged, else a new one (the draft head's rows are
-        gathered once, and not at all for a step reused)."""
-        if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
-            return None
-        if reuse is not None and reuse.fresh(drafter, target):
-            return reuse
-        head = drafter.draft_head_weight(target)
-        return None if problems(drafter, target, head) else cls(drafter, target, head)
-
-    def fresh(self, drafter, target) -> bool:
-        return self.key == weights_key(drafter, target)
-
-    @staticmethod
-    def covers(drafter, embeds: torch.Tensor, cache) -> bool:
-        """Whether a call with these rows and cache runs fused (`fused.covers`)."""
-        return fused.covers(drafter, embeds, cache)
 
     def __call__(self, drafter, embeds: torch.Tensor, hidden: torch.Tensor,
                  positions: torch.Tensor, cache: PreallocatedCache,

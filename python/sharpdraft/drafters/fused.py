@@ -128,6 +128,72 @@ def claim_rows(layers: Iterable, rows: int, like: torch.Tensor, num_kv_heads: in
     return start
 
 
+def pack_layers(layers, context_kv: bool = False) -> dict:
+    """Llama-style decoder layers' weights as the stack ops take them, {name: one entry a layer}:
+    input_norm, post_norm, qkv (q/k/v side by side, Q8_0), with `context_kv` kv (k and v side by
+    side, DFlash's context keys), o_proj, gate_up (side by side), down."""
+    names = ("input_norm", "post_norm", "qkv") + (("kv",) if context_kv else ()) + (
+        "o_proj", "gate_up", "down")
+    stack = {name: [] for name in names}
+    for layer in layers:
+        att, mlp = layer.self_attn, layer.mlp
+        stack["input_norm"].append(layer.input_layernorm.weight.detach().contiguous())
+        stack["post_norm"].append(layer.post_attention_layernorm.weight.detach().contiguous())
+        stack["qkv"].append(q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight))
+        if context_kv:
+            stack["kv"].append(q8(att.k_proj.weight, att.v_proj.weight))
+        stack["o_proj"].append(q8(att.o_proj.weight))
+        stack["gate_up"].append(q8(mlp.gate_proj.weight, mlp.up_proj.weight))
+        stack["down"].append(q8(mlp.down_proj.weight))
+    return stack
+
+
+def layer_scalings(sharp, layers: int) -> tuple:
+    """The drafter ops' per-layer scaling arguments: (mode, [slope a layer], [per-head slopes or
+    None a layer], the shared keywords), from `scaling`."""
+    floats, slopes, mode, kw = [], [], "none", {}
+    for i in range(layers):
+        mode, slope, per_head, kw = scaling(sharp, i)
+        floats.append(slope)
+        slopes.append(per_head)
+    return mode, floats, slopes, kw
+
+
+class FusedStep:
+    """What the fused steps share: `build` (None where the module's `problems` names a reason,
+    an unchanged step reused), `fresh` and `covers`. A subclass sets `name` (the op), `problems`
+    (drafter, target, head weight) -> [reasons] and builds itself from (drafter, target, head
+    weight), setting `key = weights_key(drafter, target)`."""
+
+    name = ""
+    key: tuple = ()
+
+    @staticmethod
+    def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, drafter, target, reuse: Optional["FusedStep"] = None):
+        """The step for `drafter` and `target`: None where `problems` names a reason, else
+        `reuse` while its weights are unchanged, else a new one (the draft head's rows are
+        gathered once, and not at all for a step reused)."""
+        if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
+            return None
+        if reuse is not None and reuse.fresh(drafter, target):
+            return reuse
+        head = drafter.draft_head_weight(target)
+        return None if cls.problems(drafter, target, head) else cls(drafter, target, head)
+
+    def fresh(self, drafter, target) -> bool:
+        """Whether the weights the step was made from are unchanged."""
+        return self.key == weights_key(drafter, target)
+
+    @staticmethod
+    def covers(drafter, embeds: torch.Tensor, cache) -> bool:
+        """Whether a call with these rows and cache runs fused (`covers`)."""
+        return covers(drafter, embeds, cache)
+
+
 def commit_rows(layers: Iterable, end: int) -> None:
     """Set the cache layers' length to `end` after an op wrote their rows in place."""
     for layer in layers:

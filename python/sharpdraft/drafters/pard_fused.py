@@ -22,10 +22,9 @@ from typing import List, Optional
 import torch
 from sharpdraft_ext import cpu_runtime
 
-from .. import settings
 from ..target.kv_cache import PreallocatedCache
 from . import fused
-from .fused import Head, q8, weights_key
+from .fused import Head, weights_key
 
 
 def _geometry(layer) -> tuple:
@@ -61,53 +60,23 @@ def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
                                 layers[0].self_attn.config.hidden_act)
 
 
-class FusedPARDStep:
+class FusedPARDStep(fused.FusedStep):
     """The arguments of `pard_layers` for one PARD drafter and target: every layer's linears as
     Q8_0 blocks (q/k/v and gate/up side by side) and norms, the final norm, the head
     (`fused.Head`) and the geometry. Build it with `FusedPARDStep.build(drafter, target)` (None
-    where `problems` names a reason); `fresh(drafter, target)` tells whether the weights it was
-    made from are unchanged."""
+    where `problems` names a reason)."""
 
     name = "pard_layers"
+    problems = staticmethod(problems)
 
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
-        self.stack = {key: [] for key in ("input_norm", "post_norm", "qkv", "o_proj", "gate_up",
-                                          "down")}
-        for layer in drafter.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            self.stack["input_norm"].append(layer.input_layernorm.weight.detach().contiguous())
-            self.stack["post_norm"].append(
-                layer.post_attention_layernorm.weight.detach().contiguous())
-            self.stack["qkv"].append(q8(att.q_proj.weight, att.k_proj.weight, att.v_proj.weight))
-            self.stack["o_proj"].append(q8(att.o_proj.weight))
-            self.stack["gate_up"].append(q8(mlp.gate_proj.weight, mlp.up_proj.weight))
-            self.stack["down"].append(q8(mlp.down_proj.weight))
+        self.stack = fused.pack_layers(drafter.layers)
         self.qtypes = [fused.Q8_0] * (4 * len(drafter.layers))
         self.final_norm = drafter.norm.weight.detach().contiguous()
         self.head = Head(drafter, target,
                          drafter.draft_head_weight(target) if head is None else head)
         self.geometry = _geometry(drafter.layers[0])
         self.key = weights_key(drafter, target)
-
-    @classmethod
-    def build(cls, drafter, target, reuse: Optional["FusedPARDStep"] = None
-              ) -> Optional["FusedPARDStep"]:
-        """The step for `drafter` and `target`: None where `problems` names a reason, else
-        `reuse` while its weights are unchanged, else a new one."""
-        if not settings.get("SHARPDRAFT_FUSED_DRAFTERS"):
-            return None
-        if reuse is not None and reuse.fresh(drafter, target):
-            return reuse
-        head = drafter.draft_head_weight(target)
-        return None if problems(drafter, target, head) else cls(drafter, target, head)
-
-    def fresh(self, drafter, target) -> bool:
-        return self.key == weights_key(drafter, target)
-
-    @staticmethod
-    def covers(drafter, embeds: torch.Tensor, cache) -> bool:
-        """Whether a call with these rows and cache runs fused (`fused.covers`)."""
-        return fused.covers(drafter, embeds, cache)
 
     def __call__(self, drafter, embeds: torch.Tensor, positions: torch.Tensor,
                  cache: PreallocatedCache, attn_mask: Optional[torch.Tensor] = None,
@@ -120,11 +89,7 @@ class FusedPARDStep:
         hq, hk, d, ffn, eps = self.geometry
         start = fused.claim_rows(layers, m, embeds, hk, d)
         cos, sin = drafter.rotary_emb(embeds, positions)
-        slopes, floats = [], []
-        for i in range(len(layers)):
-            mode, slope, per_head, kw = fused.scaling(drafter.sharp, i)
-            floats.append(slope)
-            slopes.append(per_head)
+        mode, floats, slopes, kw = fused.layer_scalings(drafter.sharp, len(layers))
         logits = cpu_runtime.pard_layers(
             embeds[0].contiguous(), cos[0].contiguous(), sin[0].contiguous(),
             [layer.key_buffer for layer in layers], [layer.value_buffer for layer in layers],
