@@ -1,8 +1,9 @@
 """The held-out task suite (`sharpdraft.data.tasks.suite`) for several drafters in one run:
 target-only decoding once per prompt, then every drafter frozen and with SharpDraft, on the
-default runtime (`--weights auto`, `--dtype auto`, as the command line), so every speedup is
-against target-only decoding in the same process. Writes bench.json / bench.md (a table per
-prompt and one by category) / speedup_by_kind.png to --out.
+default runtime (`--weights auto`, `--dtype auto`, as the command line), under both draft
+policies (fixed and auto, `--policies`), so every speedup is against target-only decoding in the
+same process. Writes bench.json / bench.md (a table per prompt and one by category) /
+speedup_by_kind.png to --out.
 
     python benchmarks/task_suite.py --out benchmarks/results/tasks-cpu
 """
@@ -30,6 +31,8 @@ def main():
     p.add_argument("--draft-threshold", type=float, default=None,
                    help="chain drafting's draft threshold for every drafter (default: each "
                         "drafter's measured draft_threshold, as the command line)")
+    p.add_argument("--policies", nargs="+", default=["fixed", "auto"], choices=["fixed", "auto"],
+                   help="the draft policies every drafter runs under (labels of auto end -auto)")
     p.add_argument("--out", default="benchmarks/results/tasks-cpu")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -40,7 +43,7 @@ def main():
         variants.update(bench_variants(kind, drafter, registry.get(kind).trees))
     prompts = suite_prompts(tokenizer, args.categories)
     run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, None, Path(args.out),
-              draft_threshold=args.draft_threshold, target_info=info)
+              draft_threshold=args.draft_threshold, target_info=info, policies=args.policies)
     print((Path(args.out) / "bench.md").read_text())
 
 

@@ -11,7 +11,7 @@ from sharpdraft import generate
 from sharpdraft.drafters import registry
 from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
                                          tree_speculative_generate)
-from sharpdraft.inference.policy import AutoPolicy, FixedPolicy, LineFit, resolve
+from sharpdraft.inference.policy import AutoPolicy, FixedPolicy, LineFit, make_policy, resolve
 from sharpdraft_helpers import tiny_target
 from test_protocol import Tok
 
@@ -70,16 +70,73 @@ def test_auto_drafts_in_full_where_rows_are_cheap_and_drafts_accepted():
 
 def test_auto_decodes_target_only_where_drafting_cannot_pay_and_backs_off():
     """Rows cost as much as a step and nothing is accepted: after the measuring steps (a full
-    draft, a target-only step, full drafts until 6 drafted) every plan is a target-only step
-    except probes after runs of 2, 4, 8, 16 target-only steps."""
+    draft, a target-only step, one more draft: a clear loss ends the warm-up) every plan is a
+    target-only step except probes after runs of 2, 4, 8, 16 target-only steps."""
     p = AutoPolicy(max_drafts=4)
     asked = run_steps(p, verify_s=lambda r: 0.010 * r, draft_s=lambda k: 0.002 * k,
                       accept=lambda n: 0, steps=60)
     drafted = [i for i, k in enumerate(asked) if k]
-    assert drafted[:6] == [0, 2, 3, 4, 5, 6] and asked[1] == 0
-    gaps = [b - a for a, b in zip(drafted[5:], drafted[6:])]
+    assert drafted[:2] == [0, 2] and asked[1] == 0
+    gaps = [b - a for a, b in zip(drafted[1:], drafted[2:])]
     assert gaps[:4] == [2 + 1, 4 + 1, 8 + 1, 16 + 1], (asked, gaps)
-    assert len(drafted) == 10
+    assert len(drafted) == 2 + 4
+
+
+def test_auto_warms_up_in_full_where_drafting_loses_narrowly():
+    """Drafting loses, but by less than CLEAR_LOSS (cheap rows, nothing accepted: about 0.9x):
+    WARMUP drafted steps before the first target-only choice."""
+    p = AutoPolicy(max_drafts=4)
+    asked = run_steps(p, verify_s=lambda r: 0.010 + 0.001 * (r - 1),
+                      draft_s=lambda k: 0.001, accept=lambda n: 0, steps=12)
+    drafted = [i for i, k in enumerate(asked) if k]
+    w = AutoPolicy.WARMUP
+    assert drafted[:w] == [0] + list(range(2, w + 1)) and asked[w + 1] == 0
+
+
+def test_a_draft_after_target_only_steps_charges_its_catch_up_to_them():
+    """A steady draft costs 1 ms; one after 3 target-only steps (0.2 ms each) costs 4 ms: the
+    draft fit keeps 1 ms and a target-only step is charged (3 * 0.2 + 3) / 3 = 1.2 ms."""
+    p = AutoPolicy(max_drafts=2)
+    p.observe(2, 0.001, [0.9, 0.9], 2, 2, 0.012)
+    for _ in range(3):
+        p.observe(0, 0.0002, [], 0, 0, 0.010)
+    p.observe(2, 0.004, [0.9, 0.9], 2, 2, 0.012)
+    assert p.draft.predict(2) == pytest.approx(0.001)
+    assert p.idle.predict(0) == pytest.approx((3 * 0.0002 + 0.003) / 3)
+    assert p.target_rate() == pytest.approx(1 / (0.010 + 0.0012))
+
+
+def test_stop_below_follows_acceptance_and_costs():
+    """A one-by-one drafter: the drafter's own threshold while warming up; then the lower edge
+    of the run of probability bins, from the top, whose a(p) times the mean acceptance pays for
+    one more draft and row at the best expected rate (a hand-computed case: 0.7)."""
+    p = AutoPolicy(max_drafts=4, one_by_one=True, prior_threshold=0.6)
+    assert p.stop_below() == 0.6
+    assert AutoPolicy(max_drafts=4).stop_below() == 0.0          # a parallel drafter: never
+    p.verify.add(1, 0.010)
+    p.verify.add(2, 0.012)                      # verify(r) = 10 ms + 2 ms a row
+    p.draft.add(1, 0.001)                       # draft(k) = 1 ms a draft (proportional)
+    p.drafted = AutoPolicy.WARMUP
+    p.reached[1:] = [100] * 4
+    p.taken[1:] = [98] * 4                      # alpha_j = 99 / 102 at every position
+    a = 99 / 102
+    rates = [(1 + sum(a ** j for j in range(1, k + 1))) / (0.001 * k + 0.010 + 0.002 * k)
+             for k in range(1, 5)]
+    need = max(rates) * (0.001 + 0.002) / a     # = 0.662: bins 0.7-0.8 (a = 0.75) pay, 0.6-0.7 not
+    assert 0.65 < need < 0.75
+    assert p.stop_below() == pytest.approx(0.7)
+    cheap = AutoPolicy(max_drafts=4, one_by_one=True)
+    cheap.verify.add(1, 0.010)
+    cheap.verify.add(2, 0.0100001)
+    cheap.draft.add(1, 0.00001)
+    cheap.drafted = AutoPolicy.WARMUP
+    assert cheap.stop_below() == 0.0            # rows and drafts nearly free: never stop
+    dear = AutoPolicy(max_drafts=4, one_by_one=True)
+    dear.verify.add(1, 0.010)
+    dear.verify.add(2, 0.020)                   # a row costs a step: stop after the first draft
+    dear.draft.add(1, 0.001)
+    dear.drafted = AutoPolicy.WARMUP
+    assert dear.stop_below() == 1.0
 
 
 def test_cut_keeps_the_prefix_with_the_best_expected_rate():
@@ -98,6 +155,26 @@ def test_cut_keeps_the_prefix_with_the_best_expected_rate():
     assert n == max(rates, key=rates.get) == 2
     assert FixedPolicy(4, 0.5).cut([0.95, 0.95, 0.05, 0.05], 0.0) == 2
     assert FixedPolicy(4, 0.0).cut([0.95, 0.05], 0.0) == 2
+
+
+class StubDrafter:
+    max_drafts, max_tree_nodes, drafts_one_by_one, default_draft_threshold = 4, 0, False, 0.0
+
+
+def test_auto_resumes_what_an_earlier_request_learnt():
+    """A second request of the same drafter and target starts from the first's estimates
+    (acceptance counts halved, back-off kept, no warm-up): drafting lost, so it plans a
+    target-only step at once; another target starts afresh with a full draft."""
+    drafter, target = StubDrafter(), object()
+    first = make_policy("auto", drafter, target=target)
+    run_steps(first, verify_s=lambda r: 0.010 * r, draft_s=lambda k: 0.002 * k,
+              accept=lambda n: 0, steps=20)
+    second = make_policy("auto", drafter, target=target)
+    assert second.reached[1] == first.reached[1] / 2 > 0
+    assert second.alpha(1) == pytest.approx(1 / (first.reached[1] / 2 + 2))
+    assert second.backoff == first.backoff and second.plan() == 0
+    assert make_policy("auto", drafter, target=object()).plan() == 4
+    assert make_policy("fixed", drafter, target=target).plan() == 4
 
 
 @pytest.fixture(scope="module")

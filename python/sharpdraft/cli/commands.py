@@ -45,6 +45,7 @@ from ..drafters import load_drafter, registry, shipped_checkpoint
 from ..drafters.loading import N_REF_SOURCES
 from ..inference import generate, prompt_ids
 from ..inference.engine import GenerationResult, check_context, seq_rep
+from ..inference.policy import resolve as resolve_policy
 from ..target.loading import load_target
 from .parser import DTYPES, drafter_kind, leaf, parse, parser
 
@@ -214,6 +215,15 @@ def _bench_prompts(target, tokenizer, args, maths: int) -> list:
     return prompts
 
 
+def _bench_policies(args) -> tuple:
+    """The draft policies a bench runs: --draft-policy's, else both (fixed with
+    --draft-threshold)."""
+    if args.draft_policy:
+        resolve_policy(args.draft_policy, args.draft_threshold)
+        return (args.draft_policy,)
+    return ("fixed",) if args.draft_threshold else ("fixed", "auto")
+
+
 def cmd_bench(args) -> dict:
     """`sharpdraft bench`: sharpdraft.eval.bench.run_bench over KJV passages (--lengths), maths
     problems (--maths) or the held-out task suite (--suite tasks), and held-out corpus prompts
@@ -226,7 +236,7 @@ def cmd_bench(args) -> dict:
     variants = bench_variants(args.drafter, drafter, registry.get(args.drafter).trees)
     rows = run_bench(target, tokenizer, variants, prompts, args.max_new_tokens, args.slope,
                      Path(args.out), draft_threshold=args.draft_threshold,
-                     target_info=provenance)
+                     target_info=provenance, policies=_bench_policies(args))
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png, speedup_by_kind.png")
     return {"target": provenance, "runs": len(rows)}

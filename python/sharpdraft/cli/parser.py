@@ -89,7 +89,8 @@ def _common(g: argparse.ArgumentParser) -> None:
                    help="auto: each step drafts the length (or tree, or nothing) with the best "
                         "expected tokens per second from this run's measured costs and "
                         "acceptance; fixed: every step drafts in full, cut by "
-                        "--draft-threshold (default: fixed; lossless either way)")
+                        "--draft-threshold (default: fixed; bench: both, each variant's "
+                        "auto run labelled -auto; lossless either way)")
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
                         "EAGLE-3, PARD; default: all of them)")

@@ -13,7 +13,7 @@ import dataclasses
 import importlib.metadata
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -23,6 +23,7 @@ from ..data import sources as data
 from ..data.sources import KJV_BOOK, KJV_TASK, kjv_passage  # noqa: F401 (the bench's task)
 from ..inference.engine import (GenerationResult, autoregressive_generate, seq_rep,
                                 speculative_generate, tree_speculative_generate)
+from ..inference.policy import POLICIES
 from .report import figure, save_figure, write_report
 
 
@@ -127,12 +128,15 @@ def weights_sha256(module: torch.nn.Module) -> str:
 
 
 def decode(target, drafter, ids: torch.Tensor, max_new_tokens: int, *, tree: bool = False,
-           draft_threshold: float = 0.0, **kwargs) -> GenerationResult:
-    """Speculative decoding with `drafter`: tree drafting (EAGLE-3) or chain drafting."""
+           draft_threshold: float = 0.0, policy: str = "fixed", **kwargs) -> GenerationResult:
+    """Speculative decoding with `drafter`: tree drafting (EAGLE-3) or chain drafting, under
+    the draft policy `policy` (`inference.policy`; auto ignores draft_threshold)."""
     if tree:
-        return tree_speculative_generate(target, drafter, ids, max_new_tokens, **kwargs)
-    return speculative_generate(target, drafter, ids, max_new_tokens,
-                                draft_threshold=draft_threshold, **kwargs)
+        return tree_speculative_generate(target, drafter, ids, max_new_tokens, policy=policy,
+                                         **kwargs)
+    return speculative_generate(target, drafter, ids, max_new_tokens, policy=policy,
+                                draft_threshold=0.0 if policy == "auto" else draft_threshold,
+                                **kwargs)
 
 
 def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
@@ -145,7 +149,8 @@ def warm_up(target, drafter, ids: torch.Tensor, draft_threshold: float = 0.0,
 
 def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_tokens: int,
               slope: Optional[float], out_dir: Path, draft_threshold: Optional[float] = None,
-              target_info: Optional[dict] = None) -> List[dict]:
+              target_info: Optional[dict] = None,
+              policies: Sequence[str] = ("fixed",)) -> List[dict]:
     """Run AR, then every variant frozen and with SharpDraft (greedy), on every prompt; write
     bench.json, bench.md and tau_vs_context.png to `out_dir`.
 
@@ -159,28 +164,40 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
         ran ("draft_thresholds").
     target_info: the target's provenance (package, sha256, dtype: bfloat16 rounding makes
         speculative output leave target-only output at near-ties), recorded in bench.json.
+    policies: the draft policies each variant runs under ("fixed", "auto": `inference.policy`);
+        a variant under "auto" is labelled "<label>-auto" (its draft threshold 0), under
+        "fixed" "<label>"; bench.json's settings record each label's ("policies").
+
+    Raises:
+        ValueError naming `policies`: empty or an unknown policy.
     """
+    if not policies or any(p not in POLICIES for p in policies):
+        raise ValueError(f"policies: a non-empty list of {', '.join(POLICIES)}, got "
+                         f"{list(policies)}")
+    variants = {(label if policy == "fixed" else f"{label}-auto"): (drafter, tree, policy)
+                for policy in dict.fromkeys(policies)
+                for label, (drafter, tree) in variants.items()}
     methods, thresholds = {}, {}
-    for label, (drafter, tree) in variants.items():
-        thresholds[label] = 0.0 if tree else (drafter.default_draft_threshold
-                                              if draft_threshold is None else draft_threshold)
+    for label, (drafter, tree, policy) in variants.items():
+        thresholds[label] = 0.0 if tree or policy == "auto" else (
+            drafter.default_draft_threshold if draft_threshold is None else draft_threshold)
         base = drafter.sharp if slope is None else dataclasses.replace(drafter.sharp, slope=slope)
         for suffix, mode in (("frozen", "none"), ("sharp", "fixed_slope")):
             methods[f"{label}-{suffix}"] = (drafter, tree, dataclasses.replace(base, mode=mode),
-                                            thresholds[label])
+                                            thresholds[label], policy)
     rows = []
     eos = tokenizer.eos_token_id
-    for drafter, tree, sharp, threshold in methods.values():
+    for drafter, tree, sharp, threshold, _ in methods.values():
         drafter.sharp = sharp
         warm_up(target, drafter, prompts[0]["ids"], threshold, tree)
     for p in tqdm(prompts, desc="bench prompts", unit="prompt"):
         ar = autoregressive_generate(target, p["ids"], max_new_tokens, eos_token_id=eos)
         row = {"name": p["name"], "kind": p["kind"], "prompt_tokens": p["ids"].shape[1],
                "ar": {**ar.summary(), "seq_rep_4": seq_rep(ar.tokens)}}
-        for name, (drafter, tree, sharp, threshold) in methods.items():
+        for name, (drafter, tree, sharp, threshold, policy) in methods.items():
             drafter.sharp = sharp
             res = decode(target, drafter, p["ids"], max_new_tokens, tree=tree,
-                         eos_token_id=eos, draft_threshold=threshold)
+                         eos_token_id=eos, draft_threshold=threshold, policy=policy)
             row[name] = {**res.summary(), "speedup": res.tokens_per_s / ar.tokens_per_s,
                          "decode_speedup": _ratio(res.decode_tokens_per_s,
                                                   ar.decode_tokens_per_s),
@@ -195,10 +212,11 @@ def run_bench(target, tokenizer, variants: Dict[str, tuple], prompts, max_new_to
             "n_ref": {label: methods[f"{label}-sharp"][2].n_ref for label in variants},
             "variants": list(variants), "draft_threshold": draft_threshold,
             "draft_thresholds": thresholds,
-            "context_window": {label: d.context_window for label, (d, _) in variants.items()},
+            "policies": {label: policy for label, (_, _, policy) in variants.items()},
+            "context_window": {label: d.context_window for label, (d, _, _) in variants.items()},
             "max_drafts": {label: (d.max_tree_nodes if tree else d.max_drafts)
-                           for label, (d, tree) in variants.items()},
-            "drafter_sha256": {label: weights_sha256(d) for label, (d, _) in variants.items()}}
+                           for label, (d, tree, _) in variants.items()},
+            "drafter_sha256": {label: weights_sha256(d) for label, (d, _, _) in variants.items()}}
     write_report(out_dir, "bench", {"settings": meta, "runs": rows,
                                     "by_kind": by_kind(rows, meta["variants"])},
                  markdown_table(rows, meta))
@@ -236,7 +254,9 @@ def markdown_table(rows: List[dict], meta: dict) -> str:
              f"{meta['slope']}, n_ref {meta['n_ref']}"
              + (f", calibrated layer slopes {calibrated}" if calibrated else "")
              + (f", drafter context window {windows}" if windows else "")
-             + (f", draft thresholds {cut}" if cut else "") + ".", "",
+             + (f", draft thresholds {cut}" if cut else "") + "."
+             + (" Labels ending -auto ran the auto draft policy, the others the fixed one."
+                if "auto" in meta.get("policies", {}).values() else ""), "",
              "Speedup: end to end (prefill included); decode: tokens/s after the first token "
              "(prefill excluded), both against target-only decoding in the same run. seq-rep-4: "
              "the share of the target's output 4-grams that repeat an earlier one (towards 1 "

@@ -514,17 +514,18 @@ def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_t
                                             generator, progress, drafter.max_drafts)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
     sized = _takes_max_drafts(session)
-    pol = make_policy(policy, drafter, draft_threshold, sized=sized)
-    # a drafter that drafts one token a forward stops where the threshold cuts (same drafts)
-    stop = ({"stop_below": draft_threshold}
-            if policy == "fixed" and draft_threshold > 0
-            and getattr(drafter, "drafts_one_by_one", False) else {})
+    pol = make_policy(policy, drafter, draft_threshold, sized=sized, target=runtime.model)
+    # a drafter that drafts one token a forward stops where the policy says (fixed: where
+    # its threshold cuts, the same drafts)
+    one_by_one = getattr(drafter, "drafts_one_by_one", False)
     cutting = policy == "auto" or draft_threshold > 0
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length                  # = position of `last`
         asked = pol.plan()
         sizing = {"max_drafts": asked} if sized and asked != drafter.max_drafts else {}
+        stop_p = pol.stop_below() if one_by_one and asked else 0.0
+        stop = {"stop_below": stop_p} if stop_p > 0 else {}
         drafts, d_logits = session.propose(last, committed,
                                            lambda row: _pick(row, temperature, generator),
                                            **stop, **sizing)
@@ -634,7 +635,8 @@ def _tree_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_to
                                             generator, progress, drafter.max_tree_nodes,
                                             block_size=drafter.max_tree_depth + 1)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
-    pol = make_policy(policy, drafter, tree=True, sized=_takes_max_drafts(session))
+    pol = make_policy(policy, drafter, tree=True, sized=_takes_max_drafts(session),
+                      target=runtime.model)
     while last != eos_token_id and len(tokens) < max_new_tokens:
         t0 = time.perf_counter()
         committed = runtime.length

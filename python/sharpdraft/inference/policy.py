@@ -11,7 +11,8 @@ default of `Drafter.default_draft_threshold`); a tree step verifies the whole tr
   through the steps' own timings (a is a target-only step; the line follows the context as it
   grows); draft(k), the session's propose + commit asking for k drafts, likewise a line (a
   parallel drafter's cost barely moves with k; a one-by-one drafter's is about k forwards when
-  only one k was seen);
+  only one k was seen); a target-only step's session cost, with the catch-up a draft after
+  target-only steps pays on their context (its excess over a steady draft) spread over them;
 - acceptance: alpha_j, the share of steps that reached draft j (every earlier draft accepted)
   and accepted it, and a(p), the same share among drafts whose drafter probability p fell in
   one of ten bins (Beta priors: alpha_j 1/2, a(p) the bin's centre);
@@ -19,9 +20,21 @@ default of `Drafter.default_draft_threshold`); a tree step verifies the whole tr
   second, (1 + sum_j prod_{i <= j} alpha_i) / (draft(k) + verify(k + 1)), where k = 0 is a
   target-only step at 1 / (verify(1) + the session's commit); after the drafts come it verifies
   the prefix that maximises the same rate with their own a(p_j) and the drafting already paid;
-- when a target-only step wins it decodes target-only for a back-off of 2 steps (doubling to 32
-  while probes keep losing), then probes again with its best k. The first steps measure: one
-  full draft, one target-only step, then full drafts until 6 steps have drafted.
+- a drafter that drafts one token a forward (`drafts_one_by_one`) stops drafting after the
+  first draft whose a(p) is too low for the next draft to pay: with d and v the draft and
+  verify cost of one more row and r the best expected rate, it stops below the p where
+  a(p) * alpha < r (d + v) (`stop_below`; alpha the mean acceptance of a reached draft);
+- a step drafts while the drafted steps' achieved rate (tokens committed per second of their
+  drafting and verifying, recency-weighted: it includes what the cut and the early stop buy,
+  which the expected rate above does not model) beats a target-only step's;
+- when a target-only step wins it decodes target-only for a back-off of 2 steps (doubling to 64
+  while probes keep losing), then probes again with its best k. The first steps measure, as
+  the fixed policy would run (the drafter's measured threshold stops a one-by-one drafter):
+  one full draft, one target-only step, then drafts until `WARMUP` steps have drafted (or 2,
+  where the best expected rate is below `CLEAR_LOSS` times target-only's).
+
+What auto learnt carries over, in one process, to the next request of the same drafter and
+target (`make_policy`): costs, acceptance at half weight, the back-off; the warm-up is paid once.
 
 Every choice depends only on the drafts, the drafter's own probabilities and past timings, never
 on the target's output of the step being chosen, so decoding stays lossless (greedy output
@@ -30,7 +43,9 @@ length).
 """
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 POLICIES = ("auto", "fixed")
@@ -103,6 +118,10 @@ class FixedPolicy:
     def plan(self) -> int:
         return self.max_drafts
 
+    def stop_below(self) -> float:
+        """The drafter probability below which a one-by-one drafter stops drafting."""
+        return self.draft_threshold
+
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
         low = [j for j, c in enumerate(confidences) if c < self.draft_threshold]
         return max(1, low[0]) if low and self.draft_threshold > 0 else len(confidences)
@@ -124,12 +143,15 @@ class AutoPolicy:
 
     name = "auto"
     BINS = 10
-    BACKOFF = (2, 32)
-    WARMUP = 6                      # drafted steps at full length before the first choice
+    BACKOFF = (2, 64)
+    WARMUP = 4                      # drafted steps before the first choice ...
+    CLEAR_LOSS = 0.6                # ... unless after 2 the best rate is below this x target-only
+    DECAY = 0.9                     # of the drafted steps' achieved rate
 
     def __init__(self, max_drafts: int, one_by_one: bool = False, tree_nodes: int = 0,
-                 sized: bool = True):
+                 sized: bool = True, prior_threshold: float = 0.0):
         self.max_drafts, self.tree_nodes, self.sized = max_drafts, tree_nodes, sized
+        self.one_by_one, self.prior_threshold = one_by_one, prior_threshold
         self.verify = LineFit()
         self.draft = LineFit(proportional=one_by_one)
         self.idle = LineFit()                       # a target-only step's session cost
@@ -140,6 +162,9 @@ class AutoPolicy:
         self.tree_tokens = LineFit(decay=0.9)      # accepted drafts per tree step
         self.steps = self.drafted = 0
         self.backoff, self.skip_left = self.BACKOFF[0], 0
+        self.idle_run, self.idle_run_s = 0, 0.0     # target-only steps since the last draft
+        self.done_tokens = self.done_s = 0.0        # drafted steps: decayed tokens and seconds
+        self.warm = False                           # warm-up done (by an earlier request)
 
     # ----- estimates ---------------------------------------------------------------------------
     def alpha(self, j: int) -> float:
@@ -168,6 +193,14 @@ class AutoPolicy:
             gain += reach
         return (1.0 + gain) / (self.draft.predict(k) + self.verify.predict(k + 1))
 
+    def drafted_rate(self) -> float:
+        """Tokens per second the drafted steps achieved (recency-weighted: the cut and a
+        one-by-one drafter's early stop included, which `rate` does not model); before 2
+        drafted steps, `rate` of the best k."""
+        if (self.drafted < 2 and not self.warm) or self.done_s <= 0:
+            return max(map(self.rate, self._choices()))
+        return self.done_tokens / self.done_s
+
     def _choices(self) -> range:
         return range(self.tree_nodes, self.tree_nodes + 1) if self.tree_nodes else \
             range(1, self.max_drafts + 1)
@@ -182,7 +215,9 @@ class AutoPolicy:
             return full
         if not any(x == 1 for x, _ in self.verify.points):
             return 0                                 # then: measure a target-only step
-        if self.drafted < self.WARMUP:               # then: enough drafts to judge them by
+        if self.drafted < self.WARMUP and not self.warm and not (  # then: enough drafts
+                self.drafted >= 2
+                and self.drafted_rate() < self.CLEAR_LOSS * self.target_rate()):
             return full
         if self.skip_left > 0:
             self.skip_left -= 1
@@ -190,12 +225,32 @@ class AutoPolicy:
                 return max(self._choices(), key=self.rate)
             return 0
         best = max(self._choices(), key=self.rate)
-        if self.rate(best) > self.target_rate():
+        if self.drafted_rate() > self.target_rate():
             self.backoff = self.BACKOFF[0]
             return best
         self.skip_left = self.backoff
         self.backoff = min(2 * self.backoff, self.BACKOFF[1])
         return 0
+
+    def stop_below(self) -> float:
+        """For a one-by-one drafter: the drafter probability below which drafting stops (the
+        module docstring's rule; the drafter's measured threshold while warming up; 0 never)."""
+        if not self.one_by_one or self.tree_nodes:
+            return 0.0
+        if (self.drafted < self.WARMUP and not self.warm) or not self.verify:
+            return self.prior_threshold
+        more = (self.draft.predict(self.max_drafts) - self.draft.predict(1)) / max(
+            1, self.max_drafts - 1) + self.verify.predict(2) - self.verify.predict(1)
+        best = max(self.rate(k) for k in self._choices())
+        mean = sum(self.alpha(j) for j in range(2, self.max_drafts + 1)) / max(
+            1, self.max_drafts - 1)
+        need = best * more / mean
+        edge = 1.0
+        for b in reversed(range(self.BINS)):        # the run of bins from the top that pay
+            if self.accept((b + 0.5) / self.BINS) < need:
+                break
+            edge = b / self.BINS
+        return edge
 
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
         """How many of the drafts to verify: the prefix with the best expected rate given their
@@ -219,10 +274,24 @@ class AutoPolicy:
         self.steps += 1
         self.verify.add(verified + 1, verify_s)
         if asked == 0:
-            self.idle.add(0, draft_s)
+            self.idle_run += 1
+            self.idle_run_s += draft_s
             return
         self.drafted += 1
-        self.draft.add(asked, draft_s)
+        x = len(confidences) if self.one_by_one and confidences else asked
+        excess = 0.0
+        if self.idle_run and self.draft:
+            # a draft after target-only steps catches up on their context: the excess over a
+            # steady draft is their cost, spread over them
+            excess = max(0.0, draft_s - self.draft.predict(x))
+            self.idle.add(0, (self.idle_run_s + excess) / self.idle_run)
+        else:
+            if self.idle_run:
+                self.idle.add(0, self.idle_run_s / self.idle_run)
+            self.draft.add(x, draft_s)
+        self.idle_run, self.idle_run_s = 0, 0.0
+        self.done_tokens = self.DECAY * self.done_tokens + accepted + 1
+        self.done_s = self.DECAY * self.done_s + draft_s - excess + verify_s
         if self.tree_nodes:
             self.tree_tokens.add(0, accepted)
             return
@@ -232,6 +301,20 @@ class AutoPolicy:
             b = min(self.BINS - 1, max(0, int(confidences[j - 1] * self.BINS)))
             self.bin_seen[b] += 1
             self.bin_taken[b] += j <= accepted
+
+    def resume(self, prev: "AutoPolicy") -> "AutoPolicy":
+        """Start from the estimates an earlier request of the same drafter and target ended
+        with: its cost fits (newer points soon outweigh them as this context differs), its
+        acceptance counts and achieved rate at half weight, its back-off; the warm-up is
+        skipped where it had finished. Returns self."""
+        for name in ("verify", "draft", "idle", "tree_tokens"):
+            setattr(self, name, copy.deepcopy(getattr(prev, name)))
+        for name in ("reached", "taken", "bin_seen", "bin_taken"):
+            setattr(self, name, [v / 2 for v in getattr(prev, name)])
+        self.done_tokens, self.done_s = prev.done_tokens / 2, prev.done_s / 2
+        self.backoff = prev.backoff
+        self.warm = prev.drafted >= self.WARMUP or prev.warm
+        return self
 
     def report(self) -> Dict[str, object]:
         """The policy's estimates, JSON-ready (ms; None where not measured)."""
@@ -253,12 +336,28 @@ class AutoPolicy:
         return out
 
 
+# {drafter: {(id(target), tree): the latest AutoPolicy}}: what auto learnt, per process
+_LEARNT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def make_policy(name: str, drafter, draft_threshold: float = 0.0, tree: bool = False,
-                sized: bool = True):
+                sized: bool = True, target=None):
     """The policy object `name` ("auto" / "fixed") for one generation with `drafter`; `sized`:
-    whether its session's propose takes max_drafts (`drafters.protocol`)."""
+    whether its session's propose takes max_drafts (`drafters.protocol`). An auto policy
+    resumes from the latest one of the same drafter, `target` (the runtime's model) and tree
+    flag in this process (`AutoPolicy.resume`), so a warm-up is paid once, not per request."""
     if name == "fixed":
         return FixedPolicy(drafter.max_tree_nodes if tree else drafter.max_drafts,
                            0.0 if tree else draft_threshold)
-    return AutoPolicy(drafter.max_drafts, bool(getattr(drafter, "drafts_one_by_one", False)),
-                      drafter.max_tree_nodes if tree else 0, sized)
+    pol = AutoPolicy(drafter.max_drafts, bool(getattr(drafter, "drafts_one_by_one", False)),
+                     drafter.max_tree_nodes if tree else 0, sized,
+                     0.0 if tree else drafter.default_draft_threshold)
+    try:
+        learnt = _LEARNT.setdefault(drafter, {})
+    except TypeError:                               # not weakly referenceable: no memory
+        return pol
+    key = (id(target), tree)
+    if key in learnt:
+        pol.resume(learnt[key])
+    learnt[key] = pol
+    return pol
