@@ -240,6 +240,37 @@ def test_run_bench_writes_rows_for_every_variant(tmp_path):
     assert weights_sha256(drafter) != digest["eagle3-chain"]
 
 
+def test_run_bench_runs_each_variant_under_both_policies(tmp_path):
+    """policies=("fixed", "auto"): every variant again as "<label>-auto", lossless, its draft
+    threshold 0 and its policy recorded; an unknown policy is refused before any work."""
+    import torch
+
+    from sharpdraft.eval.bench import run_bench
+    from sharpdraft_helpers import tiny_eagle3
+
+    target = tiny_target()
+    drafter = tiny_eagle3(target, chain_length=3)
+    drafter.config.draft_threshold = 0.9
+
+    class Tok:
+        eos_token_id = None
+    prompts = [{"name": "p0", "kind": "kjv", "ids": torch.randint(3, 256, (1, 24))}]
+    with pytest.raises(ValueError, match="policies"):
+        run_bench(target, Tok(), {"eagle3-chain": (drafter, False)}, prompts, 6, 0.2,
+                  tmp_path / "bad", policies=("greedy",))
+    assert not (tmp_path / "bad").exists()
+    rows = run_bench(target, Tok(), {"eagle3-chain": (drafter, False)}, prompts, 6, 0.2,
+                     tmp_path, policies=("fixed", "auto"))
+    for key in ("eagle3-chain-frozen", "eagle3-chain-auto-frozen", "eagle3-chain-auto-sharp"):
+        assert rows[0][key]["identical_to_ar"] is True
+    assert rows[0]["eagle3-chain-auto-frozen"]["draft_policy"] == "auto"
+    assert rows[0]["eagle3-chain-frozen"]["draft_policy"] == "fixed"
+    saved = json.loads((tmp_path / "bench.json").read_text())["settings"]
+    assert saved["policies"] == {"eagle3-chain": "fixed", "eagle3-chain-auto": "auto"}
+    assert saved["draft_thresholds"] == {"eagle3-chain": 0.9, "eagle3-chain-auto": 0.0}
+    assert "-auto ran the auto draft policy" in (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("flag", ["--prompt-file", "--context-file"])
 def test_non_utf8_text_file_is_an_error_naming_the_file(tmp_path, capsys, flag):
     bad = tmp_path / "latin1.txt"

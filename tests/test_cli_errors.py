@@ -300,6 +300,21 @@ def test_bad_option_is_one_line_before_any_model(fx, capsys, monkeypatch, argv, 
         assert w in line, (w, line)
 
 
+@pytest.mark.parametrize("name, raw", [("SHARPDRAFT_FUSED_DRAFTERS", "maybe"),
+                                       ("SHARPDRAFT_VLLM_SLOPE", "steep")])
+def test_bad_environment_variable_is_one_line_before_any_model(fx, capsys, monkeypatch, name,
+                                                               raw):
+    """A SHARPDRAFT_* value the package would only read mid-run fails with the flags."""
+    from sharpdraft.cli import commands
+    monkeypatch.setattr(commands, "load_target",
+                        lambda *a, **k: pytest.fail("a target was loaded"))
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--max-new-tokens", "2"])
+    line = error_line(capsys, "generate")
+    assert exc.value.code == 2 and f"{name}={raw!r}" in line, line
+
+
 # Bad inputs only a run finds (a target that cannot be loaded, a context too long...): exit 1
 RUN_CASES = [
     (GENERATE + ["--target", "{fx}/bad-config"], ["--target", "config.json"]),

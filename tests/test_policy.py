@@ -107,12 +107,19 @@ def test_a_draft_after_target_only_steps_charges_its_catch_up_to_them():
 
 
 def test_stop_below_follows_acceptance_and_costs():
-    """A one-by-one drafter: the drafter's own threshold while warming up; then the lower edge
-    of the run of probability bins, from the top, whose a(p) times the mean acceptance pays for
-    one more draft and row at the best expected rate (a hand-computed case: 0.7)."""
-    p = AutoPolicy(max_drafts=4, one_by_one=True, prior_threshold=0.6)
-    assert p.stop_below() == 0.6
+    """A one-by-one drafter: its measured threshold where it has one (and the fixed policy's
+    cut); else the lower edge of the run of probability bins, from the top, whose a(p) times
+    the mean acceptance pays for one more draft and row at the best expected rate (a
+    hand-computed case: 0.7)."""
+    measured = AutoPolicy(max_drafts=4, one_by_one=True, prior_threshold=0.6)
+    assert measured.stop_below() == 0.6
+    measured.verify.add(1, 0.010)
+    measured.drafted = AutoPolicy.WARMUP
+    assert measured.stop_below() == 0.6
+    for conf in ([0.95, 0.7, 0.5, 0.9], [0.3, 0.9], [0.9, 0.8]):
+        assert measured.cut(conf, 0.001) == FixedPolicy(4, 0.6).cut(conf, 0.001)
     assert AutoPolicy(max_drafts=4).stop_below() == 0.0          # a parallel drafter: never
+    p = AutoPolicy(max_drafts=4, one_by_one=True)
     p.verify.add(1, 0.010)
     p.verify.add(2, 0.012)                      # verify(r) = 10 ms + 2 ms a row
     p.draft.add(1, 0.001)                       # draft(k) = 1 ms a draft (proportional)
@@ -163,16 +170,17 @@ class StubDrafter:
 
 def test_auto_resumes_what_an_earlier_request_learnt():
     """A second request of the same drafter and target starts from the first's estimates
-    (acceptance counts halved, back-off kept, no warm-up): drafting lost, so it plans a
+    (acceptance counts halved, back-off capped, no warm-up): drafting lost, so it plans a
     target-only step at once; another target starts afresh with a full draft."""
     drafter, target = StubDrafter(), object()
     first = make_policy("auto", drafter, target=target)
     run_steps(first, verify_s=lambda r: 0.010 * r, draft_s=lambda k: 0.002 * k,
-              accept=lambda n: 0, steps=20)
+              accept=lambda n: 0, steps=60)
     second = make_policy("auto", drafter, target=target)
     assert second.reached[1] == first.reached[1] / 2 > 0
     assert second.alpha(1) == pytest.approx(1 / (first.reached[1] / 2 + 2))
-    assert second.backoff == first.backoff and second.plan() == 0
+    assert first.backoff > AutoPolicy.RESUME_BACKOFF
+    assert second.backoff == AutoPolicy.RESUME_BACKOFF and second.plan() == 0
     assert make_policy("auto", drafter, target=object()).plan() == 4
     assert make_policy("fixed", drafter, target=target).plan() == 4
 

@@ -104,8 +104,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
            "0 turns off the one-call decoder (`llama_layers`) of a quantised Llama-style target, "
            "to measure against it."),
     EnvVar("SHARPDRAFT_FUSED_DRAFTERS", _flag, True, "python",
-           "0 turns off the drafters' one-call CPU draft steps (EAGLE-3's `eagle3_layer`) for a "
-           "quantised target, to measure against them."),
+           "0 turns off the drafters' one-call CPU draft steps (EAGLE-3's `eagle3_layer`, "
+           "PARD's `pard_layers`, DFlash's `dflash_layers`) for a quantised target, to measure "
+           "against them."),
     EnvVar("SHARPDRAFT_VLLM_MODE", _choice("off", "none", "fixed_slope", "exact_topk"), "off",
            "python",
            "The vLLM plugin: off (default: changes nothing), or the SharpDraft mode of the "
@@ -150,6 +151,18 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None) -> Any:
         return var.parse(raw)
     except ValueError as err:
         raise ValueError(f"{name}={raw!r}: {err}") from None
+
+
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Parse every declared variable Python reads that is set, so that a bad value fails before
+    any work (the command line calls this after its flags).
+
+    Raises:
+        ValueError naming the first variable whose value its parser refuses.
+    """
+    for var in VARIABLES.values():
+        if var.read_by == "python":
+            get(var.name, environ)
 
 
 def sharpdraft_home(environ: Optional[Mapping[str, str]] = None) -> Path:

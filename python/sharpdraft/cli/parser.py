@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from .. import settings
 from ..data.sources import SOURCES
 from ..drafters import registry
 from ..target.loading import DTYPES
@@ -555,4 +556,8 @@ def parse(argv=None, top: Optional[argparse.ArgumentParser] = None) -> argparse.
     top = top or parser()
     args = top.parse_args(argv)
     validate(top, args)
+    try:
+        settings.check_environment()
+    except ValueError as err:
+        leaf(top, args).error(str(err))
     return args

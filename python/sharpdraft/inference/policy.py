@@ -16,25 +16,35 @@ default of `Drafter.default_draft_threshold`); a tree step verifies the whole tr
 - acceptance: alpha_j, the share of steps that reached draft j (every earlier draft accepted)
   and accepted it, and a(p), the same share among drafts whose drafter probability p fell in
   one of ten bins (Beta priors: alpha_j 1/2, a(p) the bin's centre);
-- each step it asks for the k in 0 .. max_drafts that maximises expected committed tokens per
-  second, (1 + sum_j prod_{i <= j} alpha_i) / (draft(k) + verify(k + 1)), where k = 0 is a
-  target-only step at 1 / (verify(1) + the session's commit); after the drafts come it verifies
-  the prefix that maximises the same rate with their own a(p_j) and the drafting already paid;
-- a drafter that drafts one token a forward (`drafts_one_by_one`) stops drafting after the
-  first draft whose a(p) is too low for the next draft to pay: with d and v the draft and
-  verify cost of one more row and r the best expected rate, it stops below the p where
-  a(p) * alpha < r (d + v) (`stop_below`; alpha the mean acceptance of a reached draft);
+- the expected committed tokens per second of a step of k drafts, (1 + sum_j prod_{i <= j}
+  alpha_i) / (draft(k) + verify(k + 1)), against a target-only step's 1 / (verify(1) + the
+  session's commit);
+- a drafting step asks for `max_drafts` (a tree: the whole tree); how many are verified is
+  chosen once the drafts and their probabilities are known:
+  where the drafter carries a measured draft threshold (`Drafter.default_draft_threshold`,
+  tuned on the task suite), drafts are cut, and a one-by-one drafter stops, where the fixed
+  policy would; otherwise a one-by-one drafter (`drafts_one_by_one`) stops after the first
+  draft whose a(p) is too low for the next draft to pay (with d and v the draft and verify
+  cost of one more row and r the best expected rate, below the p where a(p) * alpha < r (d +
+  v), alpha the mean acceptance of a reached draft: `stop_below`), and the verified prefix is
+  the one that maximises that rate with the drafts' own a(p_j) and the drafting already paid
+  (`cut`);
 - a step drafts while the drafted steps' achieved rate (tokens committed per second of their
-  drafting and verifying, recency-weighted: it includes what the cut and the early stop buy,
-  which the expected rate above does not model) beats a target-only step's;
+  drafting and verifying, recency-weighted over about 10 drafted steps: it includes what the
+  cut and the early stop buy, which the expected rate above does not model) stays above
+  `KEEP` (0.9) times a target-only step's; after target-only steps, a probe resumes drafting
+  only where it brings that rate above target-only's (a hysteresis against the estimates'
+  noise; the rate's history keeps `OFF_WEIGHT` of its weight when drafting stops, so probes
+  count);
 - when a target-only step wins it decodes target-only for a back-off of 2 steps (doubling to 64
   while probes keep losing), then probes again with its best k. The first steps measure, as
-  the fixed policy would run (the drafter's measured threshold stops a one-by-one drafter):
-  one full draft, one target-only step, then drafts until `WARMUP` steps have drafted (or 2,
-  where the best expected rate is below `CLEAR_LOSS` times target-only's).
+  the fixed policy would run: one full draft, one target-only step, then drafts until
+  `WARMUP` steps have drafted (or 2, where the best expected rate is below `CLEAR_LOSS` times
+  target-only's).
 
 What auto learnt carries over, in one process, to the next request of the same drafter and
-target (`make_policy`): costs, acceptance at half weight, the back-off; the warm-up is paid once.
+target (`make_policy`): costs, acceptance at half weight, the back-off (at most
+`RESUME_BACKOFF`: a new prompt may draft better); the warm-up is paid once.
 
 Every choice depends only on the drafts, the drafter's own probabilities and past timings, never
 on the target's output of the step being chosen, so decoding stays lossless (greedy output
@@ -79,12 +89,14 @@ class LineFit:
     def __init__(self, keep: int = 8, decay: float = 0.9, proportional: bool = False):
         self.points: List[tuple] = []
         self.keep, self.decay, self.proportional = keep, decay, proportional
+        self._fit: Optional[tuple] = None           # (mx, my, slope or None), until an add
 
     def add(self, x: float, y: float) -> None:
         self.points.append((float(x), float(y)))
         same = [i for i, p in enumerate(self.points) if p[0] == float(x)]
         if len(same) > self.keep:
             del self.points[same[0]]
+        self._fit = None
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -93,15 +105,19 @@ class LineFit:
         """The fitted y at x (NaN before any observation)."""
         if not self.points:
             return math.nan
-        n = len(self.points)
-        w = [self.decay ** (n - 1 - i) for i in range(n)]
-        sw = sum(w)
-        mx = sum(wi * p[0] for wi, p in zip(w, self.points)) / sw
-        my = sum(wi * p[1] for wi, p in zip(w, self.points)) / sw
-        sxx = sum(wi * (p[0] - mx) ** 2 for wi, p in zip(w, self.points))
-        if sxx < 1e-9:                              # one distinct x
+        if self._fit is None:
+            n = len(self.points)
+            w = [self.decay ** (n - 1 - i) for i in range(n)]
+            sw = sum(w)
+            mx = sum(wi * p[0] for wi, p in zip(w, self.points)) / sw
+            my = sum(wi * p[1] for wi, p in zip(w, self.points)) / sw
+            sxx = sum(wi * (p[0] - mx) ** 2 for wi, p in zip(w, self.points))
+            b = None if sxx < 1e-9 else sum(                 # None: one distinct x
+                wi * (p[0] - mx) * (p[1] - my) for wi, p in zip(w, self.points)) / sxx
+            self._fit = (mx, my, b)
+        mx, my, b = self._fit
+        if b is None:
             return my * x / mx if self.proportional and mx > 0 else my
-        b = sum(wi * (p[0] - mx) * (p[1] - my) for wi, p in zip(w, self.points)) / sxx
         return max(0.0, my + max(0.0, b) * (x - mx))
 
 
@@ -147,6 +163,9 @@ class AutoPolicy:
     WARMUP = 4                      # drafted steps before the first choice ...
     CLEAR_LOSS = 0.6                # ... unless after 2 the best rate is below this x target-only
     DECAY = 0.9                     # of the drafted steps' achieved rate
+    KEEP = 0.9                      # drafting stops below this x target-only's rate
+    OFF_WEIGHT = 0.3                # the achieved rate's weight kept when drafting stops
+    RESUME_BACKOFF = 16             # the most back-off a new request resumes with
 
     def __init__(self, max_drafts: int, one_by_one: bool = False, tree_nodes: int = 0,
                  sized: bool = True, prior_threshold: float = 0.0):
@@ -221,23 +240,26 @@ class AutoPolicy:
             return full
         if self.skip_left > 0:
             self.skip_left -= 1
-            if self.skip_left == 0:                  # probe again
-                return max(self._choices(), key=self.rate)
-            return 0
-        best = max(self._choices(), key=self.rate)
-        if self.drafted_rate() > self.target_rate():
+            return full if self.skip_left == 0 else 0   # at 0: probe again
+        # hysteresis: a drafting request stops only on a clear loss (KEEP), a probe resumes
+        # drafting only on a gain
+        if self.drafted_rate() > (self.KEEP if self.backoff == self.BACKOFF[0] else 1.0) \
+                * self.target_rate():
             self.backoff = self.BACKOFF[0]
-            return best
+            return full
+        if self.backoff == self.BACKOFF[0]:         # drafting stops: probes weigh more
+            self.done_tokens *= self.OFF_WEIGHT
+            self.done_s *= self.OFF_WEIGHT
         self.skip_left = self.backoff
         self.backoff = min(2 * self.backoff, self.BACKOFF[1])
         return 0
 
     def stop_below(self) -> float:
-        """For a one-by-one drafter: the drafter probability below which drafting stops (the
-        module docstring's rule; the drafter's measured threshold while warming up; 0 never)."""
+        """For a one-by-one drafter: the drafter probability below which drafting stops (its
+        measured threshold where it has one, else the module docstring's rule; 0 never)."""
         if not self.one_by_one or self.tree_nodes:
             return 0.0
-        if (self.drafted < self.WARMUP and not self.warm) or not self.verify:
+        if self.prior_threshold > 0 or not self.verify:
             return self.prior_threshold
         more = (self.draft.predict(self.max_drafts) - self.draft.predict(1)) / max(
             1, self.max_drafts - 1) + self.verify.predict(2) - self.verify.predict(1)
@@ -255,7 +277,12 @@ class AutoPolicy:
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
         """How many of the drafts to verify: the prefix with the best expected rate given their
         drafter probabilities and the drafting already paid (at least 1; trees: all)."""
-        if self.tree_nodes or not confidences or not self.verify:
+        if self.tree_nodes or not confidences:
+            return len(confidences)
+        if self.prior_threshold > 0:                 # the drafter's measured threshold
+            low = [j for j, c in enumerate(confidences) if c < self.prior_threshold]
+            return max(1, low[0]) if low else len(confidences)
+        if not self.verify:
             return len(confidences)                  # (before any verify timing: measure all)
         best, best_rate, gain, reach = 1, -1.0, 0.0, 1.0
         for j, p in enumerate(confidences, 1):
@@ -312,7 +339,7 @@ class AutoPolicy:
         for name in ("reached", "taken", "bin_seen", "bin_taken"):
             setattr(self, name, [v / 2 for v in getattr(prev, name)])
         self.done_tokens, self.done_s = prev.done_tokens / 2, prev.done_s / 2
-        self.backoff = prev.backoff
+        self.backoff = min(prev.backoff, self.RESUME_BACKOFF)
         self.warm = prev.drafted >= self.WARMUP or prev.warm
         return self
 

@@ -79,6 +79,8 @@ class PreallocatedLayer(CacheLayerMixin):
         """HF convention: a negative count removes that many trailing rows."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of rows to remove")
+        if tokens_to_remove == 0:                   # nothing to drop (the views stand)
+            return
         self.length = max(0, self.length + tokens_to_remove)
         if self.is_initialized:
             self._views()
