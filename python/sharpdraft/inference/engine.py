@@ -18,9 +18,9 @@ Draft length (`policy.py`): the "fixed" policy asks for `max_drafts` and verifie
 proposed draft, or with draft_threshold > 0 cuts the drafts before the first one whose drafter
 probability (of the drafted token, at temperature 1) falls below the threshold, keeping at least
 one; a drafter that drafts one token a forward (`Drafter.drafts_one_by_one`: EAGLE-3) also stops
-drafting there. The "auto" policy picks, each step, the draft length (or tree, or a target-only
-step) with the best expected tokens per second from the request's own measured costs and
-acceptance. Either choice depends only on the drafter and past timings, so decoding stays
+drafting there. The "auto" policy chooses, each step, between drafting (cut by the drafter's
+measured threshold, else by the expected rate) and a target-only step, from the measured costs
+and acceptance of the request (and of earlier ones of the same drafter and target). Either choice depends only on the drafter and past timings, so decoding stays
 lossless, and verifying fewer tokens makes a verification forward cheaper where its cost grows
 with its length (CPUs).
 
