@@ -63,9 +63,9 @@ POLICIES = ("auto", "fixed")
 
 def resolve(policy: Optional[str], draft_threshold: Optional[float]) -> str:
     """The policy a call runs: `policy`, or "fixed" when None. (auto is not the default yet: on
-    a 2-core AVX2 EPYC it measured 1.03x target-only against fixed's 1.14x for EAGLE-3 on a
-    512-token Genesis prompt, though 0.88x / 0.89x against 0.63x / 0.79x for PARD / DFlash;
-    docs/drafters.md.)
+    the task suite, 2-core AVX2 EPYC, it measured 1.20x target-only against fixed's 1.23x for
+    the default EAGLE-3 chain, though 0.94x / 0.97x / 0.90x against 0.65x / 0.76x / 0.47x for
+    PARD / DFlash / EAGLE-3 trees; docs/drafters.md.)
 
     Raises:
         ValueError naming the argument: an unknown policy, or a draft_threshold with "auto".
