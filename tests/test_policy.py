@@ -119,6 +119,11 @@ def test_stop_below_follows_acceptance_and_costs():
     for conf in ([0.95, 0.7, 0.5, 0.9], [0.3, 0.9], [0.9, 0.8]):
         assert measured.cut(conf, 0.001) == FixedPolicy(4, 0.6).cut(conf, 0.001)
     assert AutoPolicy(max_drafts=4).stop_below() == 0.0          # a parallel drafter: never
+    single = AutoPolicy(max_drafts=1, one_by_one=True)
+    single.verify.add(1, 0.010)
+    single.draft.add(1, 0.001)
+    single.drafted = AutoPolicy.WARMUP
+    assert single.stop_below() == 0.0                            # one draft: nothing to stop
     p = AutoPolicy(max_drafts=4, one_by_one=True)
     p.verify.add(1, 0.010)
     p.verify.add(2, 0.012)                      # verify(r) = 10 ms + 2 ms a row

@@ -80,6 +80,13 @@ def resolve(policy: Optional[str], draft_threshold: Optional[float]) -> str:
     return policy
 
 
+def threshold_cut(confidences: Sequence[float], threshold: float) -> int:
+    """How many drafts a draft threshold keeps: those before the first whose drafter
+    probability is below `threshold` (at least one; 0 keeps all)."""
+    low = [j for j, c in enumerate(confidences) if c < threshold]
+    return max(1, low[0]) if low and threshold > 0 else len(confidences)
+
+
 class LineFit:
     """y ~ a + b x by least squares over the last `keep` observations of each x, the newest
     weighted 1, each older one `decay` times its successor (so a run of one x, such as
@@ -139,8 +146,7 @@ class FixedPolicy:
         return self.draft_threshold
 
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
-        low = [j for j, c in enumerate(confidences) if c < self.draft_threshold]
-        return max(1, low[0]) if low and self.draft_threshold > 0 else len(confidences)
+        return threshold_cut(confidences, self.draft_threshold)
 
     def observe(self, asked: int, draft_s: float, confidences: Sequence[float], verified: int,
                 accepted: int, verify_s: float) -> None:
@@ -257,15 +263,14 @@ class AutoPolicy:
     def stop_below(self) -> float:
         """For a one-by-one drafter: the drafter probability below which drafting stops (its
         measured threshold where it has one, else the module docstring's rule; 0 never)."""
-        if not self.one_by_one or self.tree_nodes:
-            return 0.0
+        if not self.one_by_one or self.tree_nodes or self.max_drafts < 2:
+            return 0.0                               # (one draft: no next one to stop before)
         if self.prior_threshold > 0 or not self.verify:
             return self.prior_threshold
-        more = (self.draft.predict(self.max_drafts) - self.draft.predict(1)) / max(
-            1, self.max_drafts - 1) + self.verify.predict(2) - self.verify.predict(1)
+        more = (self.draft.predict(self.max_drafts) - self.draft.predict(1)) / (
+            self.max_drafts - 1) + self.verify.predict(2) - self.verify.predict(1)
         best = max(self.rate(k) for k in self._choices())
-        mean = sum(self.alpha(j) for j in range(2, self.max_drafts + 1)) / max(
-            1, self.max_drafts - 1)
+        mean = sum(self.alpha(j) for j in range(2, self.max_drafts + 1)) / (self.max_drafts - 1)
         need = best * more / mean
         edge = 1.0
         for b in reversed(range(self.BINS)):        # the run of bins from the top that pay
@@ -275,13 +280,13 @@ class AutoPolicy:
         return edge
 
     def cut(self, confidences: Sequence[float], draft_s: float) -> int:
-        """How many of the drafts to verify: the prefix with the best expected rate given their
-        drafter probabilities and the drafting already paid (at least 1; trees: all)."""
+        """How many of the drafts to verify (at least 1; trees: all): as the drafter's measured
+        threshold cuts, where it has one; else the prefix with the best expected rate given
+        their drafter probabilities and the drafting already paid."""
         if self.tree_nodes or not confidences:
             return len(confidences)
-        if self.prior_threshold > 0:                 # the drafter's measured threshold
-            low = [j for j, c in enumerate(confidences) if c < self.prior_threshold]
-            return max(1, low[0]) if low else len(confidences)
+        if self.prior_threshold > 0:
+            return threshold_cut(confidences, self.prior_threshold)
         if not self.verify:
             return len(confidences)                  # (before any verify timing: measure all)
         best, best_rate, gain, reach = 1, -1.0, 0.0, 1.0
