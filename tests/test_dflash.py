@@ -202,3 +202,24 @@ def test_context_window_equals_a_truncated_context():
         tf = drafter.block_logits(target, feats[0], block, torch.tensor([30]))[0, 1:]
         drafter.context_window = None
     torch.testing.assert_close(tf, windowed, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_sinks_keep_the_first_positions_in_the_window():
+    """With context_window W and S sinks the block sees context positions 0 .. S - 1 and the
+    last W: the inference path (cache views) and the training forward's mask agree, and the
+    sinks change the logits."""
+    from transformers import DynamicCache
+
+    target = tiny_target(seed=4)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = torch.randint(2, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    block = torch.tensor([[7, 0, 0, 0]])
+    with torch.no_grad():
+        feats = drafter.context_features(target(ids, output_hidden_states=True).hidden_states)
+        drafter.context_window = 10
+        windowed = drafter.draft_logits(target, 7, 30, feats, DynamicCache())
+        drafter.attention_sinks = 3
+        sunk = drafter.draft_logits(target, 7, 30, feats, DynamicCache())
+        trained = drafter.block_logits(target, feats[0], block, torch.tensor([30]))
+    torch.testing.assert_close(trained[0, 1:], sunk, rtol=1e-4, atol=1e-4)
+    assert (sunk - windowed).abs().max() > 1e-3

@@ -285,17 +285,19 @@ def test_trained_only_losses_equal_the_full_losses(target):
     assert float(grads[0].abs().sum()) > 0
 
 
-def test_ttt_forward_with_a_context_window_matches_the_windowed_session(target):
-    """With context_window W the training-time test's depth d at row t equals the session's
-    d-th chain draft after the committed prefix t + 1 (the drafts being the true tokens), and
-    the window changes those logits once the context is longer than W."""
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_ttt_forward_with_a_context_window_matches_the_windowed_session(target, sinks):
+    """With context_window W (and S attention sinks) the training-time test's depth d at row t
+    equals the session's d-th chain draft after the committed prefix t + 1 (the drafts being
+    the true tokens), and the window changes those logits once the context is longer than
+    W (+ S)."""
     drafter = tiny_eagle3(target, chain_length=3)
     ids = prompt_of(16, 9)[0]
     with torch.no_grad():
         hs = target(ids[None], output_hidden_states=True).hidden_states
         feats = drafter.context_features(hs)[0]
         plain = drafter.ttt_logits(target, feats, ids, 3)
-        drafter.context_window = 4
+        drafter.context_window, drafter.attention_sinks = 4, sinks
         ttt = drafter.ttt_logits(target, feats, ids, 3)
     for t in (2, 8, 11):
         with torch.no_grad():

@@ -61,12 +61,13 @@ def test_conditional_keep_keeps_ancestors():
         assert abs(float(frac[j]) - 0.7 ** j) < 0.1, frac
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_training_forward_equals_inference(target, window):
+@pytest.mark.parametrize("window,sinks", [(None, 0), (5, 0), (5, 2)])
+def test_training_forward_equals_inference(target, window, sinks):
     """Copy j's row at p (training) gives the logits of draft j + 1 of the inference step whose
-    last real token is at p - j, with or without a context window (both layers)."""
+    last real token is at p - j, with or without a context window (and attention sinks; both
+    layers)."""
     drafter = tiny_pard(target, num_draft_tokens=4)
-    drafter.context_window = window
+    drafter.context_window, drafter.attention_sinks = window, sinks
     ids = torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(4, 16, dtype=torch.bool)
     for j in range(4):
@@ -218,6 +219,21 @@ def test_window_mask_by_hand():
     assert torch.equal(m, want)
     assert window_mask(torch.arange(0, 4), 2, 2) is None          # nothing cut: plain causal
     assert window_mask(torch.arange(3, 7), 5, None) is None
+    # one sink: key 0 stays visible to every row
+    sunk = window_mask(torch.arange(3, 7), 5, 2, sinks=1)[0, 0]
+    want[:, 0] = True
+    assert torch.equal(sunk, want)
+    assert window_mask(torch.arange(0, 4), 3, 2, sinks=1) is None  # row 3 sees 0 and 1 .. 3
+
+
+def test_last_keys_keep_the_sinks_and_the_window_by_hand():
+    from sharpdraft.drafters.layers import last_keys
+    k = torch.arange(10.0).view(1, 1, 10, 1)
+    mask = torch.arange(10)[None, None, None] % 2 == 0
+    kk, vv, mm = last_keys(k, -k, 3, own=1, attn_mask=mask, sinks=2)
+    assert kk.flatten().tolist() == [0, 1, 6, 7, 8, 9] and torch.equal(vv, -kk)
+    assert mm.flatten().tolist() == [True, False, True, False, True, False]
+    assert last_keys(k, k, 3, own=1, sinks=6)[0] is k           # nothing between: all of it
 
 
 def test_context_window_equals_a_truncated_context(target):

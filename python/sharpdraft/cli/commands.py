@@ -66,7 +66,8 @@ def default_drafter_path(args) -> Optional[Path]:
 def build_drafter(target, tokenizer, args):
     """`load_drafter` with the command line's options: --drafter-path (default: the shipped
     checkpoint of --drafter for the default target, else an untrained drafter, said on
-    stderr), --slope, --n-ref, --context-window, --tree-* and --sharp / --frozen.
+    stderr), --slope, --n-ref, --context-window, --attention-sinks, --tree-* and --sharp /
+    --frozen.
 
     Raises:
         FileNotFoundError / ValueError naming the checkpoint folder and the file or field
@@ -78,7 +79,8 @@ def build_drafter(target, tokenizer, args):
              if getattr(args, f, None) is not None}
     options = dict(target=target, tokenizer=tokenizer, sharp=getattr(args, "sharp", True),
                    slope=args.slope, n_ref=args.n_ref, overrides=shape or None,
-                   context_window=getattr(args, "context_window", None))
+                   context_window=getattr(args, "context_window", None),
+                   attention_sinks=getattr(args, "attention_sinks", 0))
     if path is None:
         print(f"sharpdraft: no trained drafter: using an untrained {args.drafter} drafter "
               f"(tau ~ 1)", file=sys.stderr)
@@ -169,6 +171,7 @@ def cmd_generate(args) -> dict:
               "tree_shape": drafter.tree_shape() if args.tree else None,
               "n_ref_source": getattr(drafter, "n_ref_source", None),
               "context_window": drafter.context_window,
+              "attention_sinks": drafter.attention_sinks,
               "fused_draft_step": drafter.fused_step,
               "target": provenance}
     if args.compare_ar:

@@ -95,6 +95,9 @@ def _common(g: argparse.ArgumentParser) -> None:
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
                         "EAGLE-3, PARD; default: all of them)")
+    g.add_argument("--attention-sinks", type=int, default=0, metavar="S",
+                   help="with --context-window: the first S positions stay visible to the "
+                        "drafter too (StreamingLLM's attention sinks; default: 0)")
     g.add_argument("--tree-topk", type=int, default=None, metavar="K",
                    help="tree drafting: nodes expanded per depth and children kept per node "
                         "(default: the checkpoint's tree_topk)")
@@ -459,6 +462,9 @@ def validate(top: argparse.ArgumentParser, args) -> None:
                 if registry.get(n).cls.supports_context_window]
         p.error(f"--context-window: the {drafter} drafter has no context window option "
                 f"({' and '.join(have)} have)")
+    sinks = getattr(args, "attention_sinks", 0)
+    if sinks and (sinks < 0 or getattr(args, "context_window", None) is None):
+        p.error(f"--attention-sinks: needs --context-window and must be >= 0, got {sinks}")
     th = getattr(args, "draft_threshold", None)
     if th is not None and not 0.0 <= th <= 1.0:
         p.error(f"--draft-threshold must lie in [0, 1], got {th}")

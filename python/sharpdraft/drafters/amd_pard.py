@@ -258,6 +258,7 @@ class AMDPARDDrafter(AMDPARDFormat, PARDDrafter):
                 mine.load_state_dict(theirs.state_dict())
             out.model.norm.load_state_dict(drafter.norm.state_dict())
         out.context_window = drafter.context_window
+        out.attention_sinks = drafter.attention_sinks
         return out.eval()
 
 

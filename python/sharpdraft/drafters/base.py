@@ -46,6 +46,10 @@ class Drafter(nn.Module):
     # distribution, and n_i, hence SharpDraft's beta, counts the keys actually seen).
     context_window: Optional[int] = None
     supports_context_window = False
+    # With a context window: the first `attention_sinks` positions stay visible to every row
+    # too (StreamingLLM's attention sinks: softmax mass that has nowhere else to go lands on
+    # the first tokens; `layers.last_keys`). n_i counts them.
+    attention_sinks: int = 0
     # Each attention row's softmax is one kernel call (what `eval.mass` probes); False for
     # a drafter that splits one softmax over several calls merged by log-sum-exp.
     one_softmax_per_call = True

@@ -116,7 +116,7 @@ class DFlashAttention(HeadProjections):
 
     def forward(self, x, ctx, block_rope, ctx_rope, cache: Optional[DynamicCache], layer: int,
                 sharp: SharpConfig, attn_mask: Optional[torch.Tensor],
-                window: Optional[int] = None):
+                window: Optional[int] = None, sinks: int = 0):
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads))
         k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads))
         v = self._heads(self.v_proj(x), self.num_kv_heads)
@@ -125,7 +125,7 @@ class DFlashAttention(HeadProjections):
         if cache is not None:  # context keys/values only: the block is recomputed every step
             kc, vc = cache.update(kc, vc, layer)
         if attn_mask is None:  # inference: optionally the last `window` context keys only
-            kc, vc, _ = last_keys(kc, vc, window)
+            kc, vc, _ = last_keys(kc, vc, window, sinks=sinks)
         k, v = torch.cat([kc, k], dim=2), torch.cat([vc, v], dim=2)
         out = attend(q, k, v, sharp, layer=layer, module=self, attn_mask=attn_mask)
         return self.out(out)
@@ -141,9 +141,9 @@ class DFlashLayer(nn.Module):
         self.mlp = LlamaMLP(llama)
 
     def forward(self, x, ctx, block_rope, ctx_rope, cache, layer, sharp, attn_mask,
-                window=None):
+                window=None, sinks=0):
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, ctx_rope, cache, layer,
-                               sharp, attn_mask, window)
+                               sharp, attn_mask, window, sinks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -209,7 +209,7 @@ class DFlashDrafter(Drafter):
         x = block_embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, block_rope, ctx_rope, cache, i, self.sharp, attn_mask,
-                      self.context_window)
+                      self.context_window, self.attention_sinks)
         return self.norm(x)
 
     def write_context(self, context_features: torch.Tensor, context_positions: torch.Tensor,
@@ -265,7 +265,8 @@ class DFlashDrafter(Drafter):
         cols = torch.arange(T, device=dev)[None, :]
         sees_ctx = cols < anchors[:, None]                                          # (K, T)
         if self.context_window is not None:          # as at inference: the last W positions
-            sees_ctx &= cols >= anchors[:, None] - self.context_window
+            sees_ctx &= ((cols >= anchors[:, None] - self.context_window)
+                         | (cols < self.attention_sinks))
         same_block = torch.eye(K, dtype=torch.bool, device=dev)
         mask = torch.cat([sees_ctx.repeat_interleave(b, 0),
                           same_block.repeat_interleave(b, 0).repeat_interleave(b, 1)], dim=1)

@@ -191,7 +191,8 @@ class Eagle3Drafter(Drafter):
                                      self.rotary_emb(embeds, positions))
         if cache is not None:
             k, v = cache.update(k, v, 0)
-            k, v, attn_mask = last_keys(k, v, self.context_window, q.shape[2], attn_mask)
+            k, v, attn_mask = last_keys(k, v, self.context_window, q.shape[2], attn_mask,
+                                        self.attention_sinks)
         o = attend(q, k, v, self.sharp, layer=0, module=self.self_attn,
                    causal=attn_mask is None and q.shape[2] > 1, attn_mask=attn_mask)
         return self._layer_out(hidden, self.self_attn.out(o))
@@ -286,7 +287,8 @@ class Eagle3Drafter(Drafter):
             # visible: step-0 keys at index <= t, then this row's own step 1 .. d keys
             vis0 = key_ids[None, :n] <= cur[:, None]
             if self.context_window is not None:   # as chain inference: context >= t + d - W
-                vis0 &= key_ids[None, :n] >= cur[:, None] + d - self.context_window
+                vis0 &= ((key_ids[None, :n] >= cur[:, None] + d - self.context_window)
+                         | (key_ids[None, :n] < self.attention_sinks))
             diag = torch.eye(m, dtype=torch.bool, device=ids.device)
             mask = torch.cat([vis0] + [diag] * d, dim=1)
             kk = torch.cat([keys[0][:, :, :n]] + [kd[:, :, :m] for kd in keys[1:]], dim=2)

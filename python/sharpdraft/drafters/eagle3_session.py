@@ -61,7 +61,8 @@ class Eagle3Session:
         pos = torch.arange(c, position, device=dev)[None]
         # rows c .. P - 1 are context rows: each sees a sliding window of W keys before it (the
         # prefill's last row too), not the W cached keys plus every row of the call
-        mask = window_mask(pos[0], position, self.drafter.context_window)
+        mask = window_mask(pos[0], position, self.drafter.context_window,
+                           self.drafter.attention_sinks)
         logits, hidden = self.drafter.draft_step(self.target, self.emb(ids),
                                                  self.drafter.fuse(self.pending), pos,
                                                  self.cache, mask)

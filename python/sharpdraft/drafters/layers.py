@@ -1,6 +1,8 @@
 """Pieces the drafters' attention modules share: Llama q/k/v/o projections with the head
-split / merge, the last keys of a context window, the inference mask of a windowed step, and
-the log-sum-exp merge of two attention calls over disjoint keys."""
+split / merge, the keys of a context window (the last W, after the first `sinks` when the
+drafter keeps attention sinks: StreamingLLM, Xiao et al. 2023, "Efficient Streaming Language
+Models with Attention Sinks"), the inference mask of a windowed step, and the log-sum-exp merge
+of two attention calls over disjoint keys."""
 from __future__ import annotations
 
 from typing import Optional
@@ -33,26 +35,34 @@ class HeadProjections(nn.Module):
 
 
 def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int = 0,
-              attn_mask: Optional[torch.Tensor] = None) -> tuple:
-    """Views of the last `window` context keys (plus the `own` rows of the current step at the
-    end), and the matching columns of `attn_mask`; everything when window is None."""
-    if window is None or k.shape[2] <= window + own:
+              attn_mask: Optional[torch.Tensor] = None, sinks: int = 0) -> tuple:
+    """The first `sinks` and the last `window` context keys (plus the `own` rows of the current
+    step at the end), and the matching columns of `attn_mask`; everything when window is None
+    or nothing falls between them. Views without sinks, copies with them."""
+    if window is None or k.shape[2] <= sinks + window + own:
         return k, v, attn_mask
     keep = window + own
-    return (k[:, :, -keep:], v[:, :, -keep:],
-            None if attn_mask is None else attn_mask[..., -keep:])
+    if sinks == 0:
+        return (k[:, :, -keep:], v[:, :, -keep:],
+                None if attn_mask is None else attn_mask[..., -keep:])
+    both = lambda t: torch.cat([t[..., :sinks, :], t[..., -keep:, :]], dim=-2)   # noqa: E731
+    mask = None if attn_mask is None else torch.cat([attn_mask[..., :sinks],
+                                                     attn_mask[..., -keep:]], dim=-1)
+    return both(k), both(v), mask
 
 
-def window_mask(rows: torch.Tensor, first_draft: int,
-                window: Optional[int]) -> Optional[torch.Tensor]:
+def window_mask(rows: torch.Tensor, first_draft: int, window: Optional[int],
+                sinks: int = 0) -> Optional[torch.Tensor]:
     """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
-    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window.
-    None when window is None or no row would lose a key (plain bottom-right causal)."""
-    if window is None or min(int(rows[-1]), first_draft) - window <= 0:
+    contiguous, ending the keys): causal, and row p sees keys >= min(p, first_draft) - window
+    and keys < `sinks`. None when window is None or no row would lose a key (plain
+    bottom-right causal)."""
+    if window is None or min(int(rows[-1]), first_draft) - window <= sinks:
         return None
     keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
     start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
-    return ((keys[None, :] <= rows[:, None]) & (keys[None, :] >= start[:, None]))[None, None]
+    seen = (keys[None, :] >= start[:, None]) | (keys[None, :] < sinks)
+    return ((keys[None, :] <= rows[:, None]) & seen)[None, None]
 
 
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -82,7 +82,8 @@ def n_ref_source(drafter: Drafter, n_ref: Optional[int] = None,
 def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None,
                  tokenizer=None, sharp: Union[bool, SharpConfig] = True,
                  slope: Optional[float] = None, n_ref: Optional[int] = None,
-                 context_window: Optional[int] = None, overrides: Optional[dict] = None,
+                 context_window: Optional[int] = None, attention_sinks: int = 0,
+                 overrides: Optional[dict] = None,
                  untrained: bool = False, layers: int = 2, block_size: int = 8,
                  seed: int = 0) -> Drafter:
     """A drafter for `target`, in eval mode, in the target's dtype, checked to fit it.
@@ -103,6 +104,8 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
             `n_ref_source`).
         context_window: attend to the last W context positions only (drafters whose class has
             `supports_context_window`).
+        attention_sinks: with context_window, the first S positions stay visible too
+            (StreamingLLM's attention sinks).
         overrides: {config field: value} over the checkpoint's config (e.g. `tree_options`).
         untrained: with a kind name: a seeded untrained drafter built for `target` (lossless,
             tau about 1) of `layers` layers and `block_size` (DFlash block, PARD / LongSpark
@@ -139,12 +142,16 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
                                     f"{', '.join(registry.names())})")
         kind = kind or detect_kind(folder)
         drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)
+    if attention_sinks < 0 or (attention_sinks and context_window is None):
+        raise ValueError(f"attention_sinks: needs context_window and must be >= 0, got "
+                         f"{attention_sinks} (context_window {context_window})")
     if context_window is not None:
         if not drafter.supports_context_window:
             raise ValueError(f"context_window: the {kind} drafter has no context window option")
         if context_window < 1:
             raise ValueError(f"context_window: must be >= 1, got {context_window}")
     drafter.context_window = context_window
+    drafter.attention_sinks = attention_sinks
     drafter.sharp = sharp if isinstance(sharp, SharpConfig) else sharp_config(
         drafter, bool(sharp), slope, n_ref)
     drafter.n_ref_source = n_ref_source(drafter, n_ref, sharp)

@@ -83,14 +83,16 @@ class PARDConfig:
         return cfg
 
 
-def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None,
+                        sinks: int = 0) -> torch.Tensor:
     """Training attention mask of the multi-copy parallel-drafting objective.
 
     Args:
         keep: (C, T) bool; keep[j, p] says whether copy j's row at position p is in the batch
             (copy 0 should keep every position; copy j's row at p needs copy j - 1's row at p - 1).
         window: None, or the context window W of inference (`PARDDrafter.context_window`): the
-            row (j, p) then sees (0, q) only for q >= p - j - W (`window_mask`'s rule).
+            row (j, p) then sees (0, q) only for q >= p - j - W or q < sinks (`window_mask`'s
+            rule).
 
     Returns:
         (R, R) bool, True = visible, over the kept rows in copy-major order (R = keep.sum()): the
@@ -105,7 +107,7 @@ def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None) -> tor
     jk, pk = copy[None, :], pos[None, :]
     real = (jk == 0) & (pk <= pq - jq)
     if window is not None:
-        real &= pk >= pq - jq - window
+        real &= (pk >= pq - jq - window) | (pk < sinks)
     ancestor = (jk >= 1) & (jk <= jq) & (pk == pq - jq + jk)
     return real | ancestor
 
@@ -207,7 +209,7 @@ class PARDDrafter(Drafter):
         rows_ids = ids[None, :].expand(C, T)[keep]
         is_mask = (torch.arange(C, device=ids.device)[:, None].expand(C, T) > 0)[keep]
         pos = torch.arange(T, device=ids.device)[None, :].expand(C, T)[keep]
-        mask = parallel_draft_mask(keep, self.context_window)[None, None]
+        mask = parallel_draft_mask(keep, self.context_window, self.attention_sinks)[None, None]
         h = self(self.embed(target, rows_ids[None], is_mask[None]), pos[None], attn_mask=mask)
         return self.head(target, h[0] if wanted is None else h[0, wanted[keep]])
 
@@ -272,7 +274,8 @@ class PARDSession:
         pos = torch.arange(cached, n, device=dev)[None]
         self.drafter.draft_logits(
             self.target, self.drafter.embed(self.target, ids, torch.zeros_like(ids, dtype=torch.bool)),
-            pos, self.cache, window_mask(pos[0], n, self.drafter.context_window), ids.shape[1])
+            pos, self.cache, window_mask(pos[0], n, self.drafter.context_window,
+                                         self.drafter.attention_sinks), ids.shape[1])
 
     @torch.no_grad()
     def propose(self, last: int, position: int, draw, max_drafts=None) -> tuple:
@@ -294,7 +297,8 @@ class PARDSession:
         pos = torch.arange(cached, cached + ids.shape[1], device=dev)[None]
         logits = self.drafter.draft_logits(
             self.target, self.drafter.embed(self.target, ids, is_mask), pos, self.cache,
-            window_mask(pos[0], position, self.drafter.context_window), len(real) - 1)
+            window_mask(pos[0], position, self.drafter.context_window,
+                        self.drafter.attention_sinks), len(real) - 1)
         crop_to(self.cache, position + 1)      # drop the mask rows' keys/values
         self.last = last
         return draw_rows(self.drafter.to_target_vocab(self.target, logits), draw)

@@ -251,6 +251,7 @@ def from_drafter(drafter: Eagle3Drafter, target) -> SpecForgeEagle3Drafter:
             state["t2d"] = t2d
     out.load_state_dict(state)
     out.context_window = drafter.context_window
+    out.attention_sinks = drafter.attention_sinks
     return out.train(drafter.training)
 
 

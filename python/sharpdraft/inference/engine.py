@@ -360,12 +360,23 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
         RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
     """
     capacity = _check(target, prompt_ids, max_new_tokens, temperature)
-    tick = _Progress(progress)
     with runtime_session(target, capacity) as runtime:
-        start = time.perf_counter()
-        logits = runtime.forward(prompt_ids, last_only=True).logits[-1]
+        return _ar_loop(runtime, prompt_ids, max_new_tokens, temperature, eos_token_id,
+                        generator, progress)[0]
+
+
+def _ar_loop(runtime, prompt_ids, max_new_tokens, temperature, eos_token_id, generator,
+             progress, follow_up=None, max_context=None) -> List[GenerationResult]:
+    """`autoregressive_generate`'s loop on a started runtime, one result per turn (a single one
+    without `follow_up`; `autoregressive_chat`)."""
+    tick = _Progress(progress)
+    start = time.perf_counter()
+    logits = runtime.forward(prompt_ids, last_only=True).logits[-1]
+    results: List[GenerationResult] = []
+    while True:
         tokens: List[int] = []
-        result = GenerationResult(tokens, prompt_ids.shape[1], 1, 0.0)
+        result = GenerationResult(tokens, runtime.length, 1, 0.0)
+        results.append(result)
         while True:
             tok = _pick(logits, temperature, generator)
             tokens.append(tok)
@@ -378,8 +389,89 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
             logits = runtime.forward(ids).logits[-1]
             result.target_forwards += 1
         result.wall_s = time.perf_counter() - start
-    result.verify_s = result.wall_s - result.prefill_s
-    return result
+        result.verify_s = result.wall_s - result.prefill_s
+        turn = _next_turn(follow_up, results, runtime, max_new_tokens, 0, max_context)
+        if turn is None:
+            return results
+        start = time.perf_counter()
+        ids = torch.cat([torch.tensor([[tokens[-1]]]), turn], dim=1).to(prompt_ids.device)
+        logits = runtime.forward(ids, last_only=True).logits[-1]
+
+
+def _next_turn(follow_up, results: List[GenerationResult], runtime, max_new_tokens: int,
+               extra: int, max_context: Optional[int]) -> Optional[torch.Tensor]:
+    """The ids `follow_up` appends after the last turn's answer (checked), or None: no
+    follow_up, or it ends the session."""
+    if follow_up is None:
+        return None
+    i = len(results) - 1
+    turn = follow_up(i, list(results[-1].tokens))
+    if turn is None:
+        return None
+    if (not isinstance(turn, torch.Tensor) or turn.dim() != 2 or turn.shape[0] != 1
+            or turn.shape[1] < 1 or turn.is_floating_point()):
+        raise ValueError(f"follow_up: after turn {i}: expected (1, L) int64 token ids, L >= 1, "
+                         f"got {getattr(turn, 'shape', type(turn).__name__)}")
+    needed = runtime.length + 1 + turn.shape[1] + max_new_tokens
+    if needed > max_context:
+        raise ValueError(f"follow_up: after turn {i}: {runtime.length + 1} positions, "
+                         f"{turn.shape[1]} more and max_new_tokens {max_new_tokens} need "
+                         f"{needed} > max_context {max_context}; end the session before")
+    return turn.long()
+
+
+def _chat_capacity(target, prompt_ids, max_new_tokens, temperature,
+                   max_context: Optional[int]) -> int:
+    """max_context (default: the target's max_position_embeddings), checked, for a session."""
+    limit = getattr(target_model(target).config, "max_position_embeddings", None)
+    max_context = max_context if max_context is not None else limit
+    if max_context is None:
+        raise ValueError("max_context: the target's config has no max_position_embeddings; "
+                         "give the session's largest context")
+    if limit is not None and max_context > limit:
+        raise ValueError(f"max_context: {max_context} > the target's max_position_embeddings "
+                         f"{limit}")
+    _check(target, prompt_ids, max_new_tokens, temperature)
+    if prompt_ids.shape[1] + max_new_tokens > max_context:
+        raise ValueError(f"max_context: the prompt ({prompt_ids.shape[1]} tokens) and "
+                         f"max_new_tokens {max_new_tokens} exceed it ({max_context})")
+    return max_context
+
+
+@gc_paused
+@torch.no_grad()
+def autoregressive_chat(target, prompt_ids: torch.Tensor, max_new_tokens: int, follow_up, *,
+                        temperature: float = 0.0, eos_token_id: Optional[int] = None,
+                        generator: Optional[torch.Generator] = None, progress=None,
+                        max_context: Optional[int] = None) -> List[GenerationResult]:
+    """Target-only decoding of a multi-turn session: the KV cache is kept from turn to turn,
+    so each turn forwards only its own new tokens (what a serving engine's prefix cache does).
+
+    Args:
+        target, prompt_ids, temperature, eos_token_id, generator, progress: as in
+            `autoregressive_generate`; prompt_ids holds the first turn.
+        max_new_tokens: the most tokens of each answer.
+        follow_up: follow_up(turn, answer) -> None (the session ends) or (1, L) int64 ids
+            appended after answer `turn` (0-based; `answer` its tokens, EOS included when it
+            ended it): the rest of the assistant message when it was cut, the next user
+            message and the generation prompt.
+        max_context: the most positions the session may reach (default the target's
+            max_position_embeddings): the KV cache is allocated for it.
+
+    Raises:
+        ValueError: as `autoregressive_generate`, max_context missing or beyond the target's
+            limit, or a follow-up that is not (1, L) ids or would pass max_context (raised
+            before that turn runs).
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
+
+    Returns:
+        One GenerationResult per turn: `prompt_tokens` is the context before its answer,
+        `prefill_s` the forward of the turn's new tokens with its first token.
+    """
+    capacity = _chat_capacity(target, prompt_ids, max_new_tokens, temperature, max_context)
+    with runtime_session(target, capacity) as runtime:
+        return _ar_loop(runtime, prompt_ids, max_new_tokens, temperature, eos_token_id,
+                        generator, progress, follow_up, capacity)
 
 
 def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.Tensor],
@@ -409,6 +501,13 @@ def _verify(p_logits: torch.Tensor, drafts: List[int], q_probs: Optional[torch.T
     return out + [_pick(p_logits[len(drafts)], temperature, generator)]
 
 
+def _cut(accepted: List[int], eos_token_id: Optional[int], room: int) -> List[int]:
+    """`accepted` cut after its first EOS and to `room` tokens."""
+    if eos_token_id in accepted:
+        accepted = accepted[: accepted.index(eos_token_id) + 1]
+    return accepted[:room]
+
+
 def _record_step(result: GenerationResult, accepted: List[int], n_drafts: int, committed: int,
                  eos_token_id: Optional[int], max_new_tokens: int, tick) -> int:
     """Log one verification (statistics) and append its tokens to result.tokens, cut after EOS
@@ -416,9 +515,7 @@ def _record_step(result: GenerationResult, accepted: List[int], n_drafts: int, c
     result.accept_lengths.append(len(accepted))
     result.draft_lengths.append(n_drafts)
     result.context_lengths.append(committed)
-    if eos_token_id in accepted:
-        accepted = accepted[: accepted.index(eos_token_id) + 1]
-    accepted = accepted[: max_new_tokens - len(result.tokens)]
+    accepted = _cut(accepted, eos_token_id, max_new_tokens - len(result.tokens))
     result.tokens.extend(accepted)
     tick(len(accepted))
     return result.tokens[-1]
@@ -487,7 +584,45 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor,
     capacity = _check(target, prompt_ids, max_new_tokens, temperature, drafter.max_drafts + 1)
     with runtime_session(target, capacity, drafter.hidden_layers) as runtime:
         return _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
-                           eos_token_id, generator, progress, draft_threshold, policy)
+                           eos_token_id, generator, progress, draft_threshold, policy)[0]
+
+
+@gc_paused
+@torch.no_grad()
+def speculative_chat(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
+                     follow_up, *, temperature: float = 0.0,
+                     eos_token_id: Optional[int] = None,
+                     generator: Optional[torch.Generator] = None, progress=None,
+                     draft_threshold: float = 0.0, policy: str = "fixed",
+                     max_context: Optional[int] = None) -> List[GenerationResult]:
+    """Chain speculative decoding of a multi-turn session, lossless: the target's KV cache, the
+    drafter's session and the draft policy's estimates are kept from turn to turn. A turn's new
+    tokens go through one target forward and reach the drafter as a commit after a propose of
+    no drafts (`drafters.protocol`: the rows of a fully accepted verification).
+
+    Args:
+        target, drafter, prompt_ids, temperature, eos_token_id, generator, progress,
+            draft_threshold, policy: as in `speculative_generate`; prompt_ids holds the first
+            turn.
+        max_new_tokens, follow_up, max_context: as in `autoregressive_chat`.
+
+    Raises:
+        ValueError: as `speculative_generate` and `autoregressive_chat`.
+        RuntimeError(`runtime.BUSY`): a `TargetRuntime` in another generation.
+
+    Returns:
+        One GenerationResult per turn (as `autoregressive_chat`); the greedy answers equal
+        `autoregressive_chat`'s.
+    """
+    if not 0.0 <= draft_threshold <= 1.0:
+        raise ValueError(f"draft_threshold must lie in [0, 1], got {draft_threshold}")
+    policy = resolve(policy, draft_threshold)
+    extra = drafter.max_drafts + 1
+    limit = _chat_capacity(target, prompt_ids, max_new_tokens, temperature, max_context)
+    with runtime_session(target, limit + extra, drafter.hidden_layers) as runtime:
+        return _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature,
+                           eos_token_id, generator, progress, draft_threshold, policy,
+                           follow_up, limit)
 
 
 def _takes_max_drafts(session) -> bool:
@@ -508,8 +643,10 @@ def _confidences(d_logits: torch.Tensor, drafts: List[int]) -> List[float]:
 
 
 def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_token_id,
-                generator, progress, draft_threshold, policy) -> GenerationResult:
-    """`speculative_generate`'s prefill and steps on a started runtime."""
+                generator, progress, draft_threshold, policy, follow_up=None,
+                max_context=None) -> List[GenerationResult]:
+    """`speculative_generate`'s prefill and steps on a started runtime, one result per turn (a
+    single one without `follow_up`; `speculative_chat`)."""
     session, result, tick, start = _prefill(runtime, drafter, prompt_ids, temperature,
                                             generator, progress, drafter.max_drafts)
     dev, last, tokens = prompt_ids.device, result.tokens[-1], result.tokens
@@ -519,38 +656,72 @@ def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_t
     # its threshold cuts, the same drafts)
     one_by_one = getattr(drafter, "drafts_one_by_one", False)
     cutting = policy == "auto" or draft_threshold > 0
-    while last != eos_token_id and len(tokens) < max_new_tokens:
-        t0 = time.perf_counter()
-        committed = runtime.length                  # = position of `last`
-        asked = pol.plan()
-        sizing = {"max_drafts": asked} if sized and asked != drafter.max_drafts else {}
-        stop_p = pol.stop_below() if one_by_one and asked else 0.0
-        stop = {"stop_below": stop_p} if stop_p > 0 else {}
-        drafts, d_logits = session.propose(last, committed,
-                                           lambda row: _pick(row, temperature, generator),
-                                           **stop, **sizing)
-        conf = _confidences(d_logits, drafts) if cutting else []
-        n_draft = pol.cut(conf, time.perf_counter() - t0) if cutting else len(drafts)
-        drafts, d_logits = drafts[:n_draft], d_logits[:n_draft]
-        q_probs = None if temperature == 0 or not drafts else probabilities(d_logits,
-                                                                            temperature)
-        t1 = time.perf_counter()
-        ids = torch.tensor([[last] + drafts], device=dev)
-        out = runtime.forward(ids)
-        result.target_forwards += 1
-        accepted = _verify(out.row_logits, drafts, q_probs, temperature, generator)
-        runtime.crop(committed + len(accepted))     # roll back past the first rejection
-        t2 = time.perf_counter()
-        session.commit(accepted, out.hidden)
-        draft_s = (t1 - t0) + (time.perf_counter() - t2)
-        result.draft_s += draft_s
-        result.verify_s += t2 - t1
-        pol.observe(asked, draft_s, conf, len(drafts), len(accepted) - 1, t2 - t1)
-        last = _record_step(result, accepted, len(drafts), committed, eos_token_id,
-                            max_new_tokens, tick)
-    result.wall_s = time.perf_counter() - start
-    result.policy = pol.report()
-    return result
+    results: List[GenerationResult] = []
+    while True:
+        while last != eos_token_id and len(tokens) < max_new_tokens:
+            t0 = time.perf_counter()
+            committed = runtime.length                  # = position of `last`
+            asked = pol.plan()
+            sizing = {"max_drafts": asked} if sized and asked != drafter.max_drafts else {}
+            stop_p = pol.stop_below() if one_by_one and asked else 0.0
+            stop = {"stop_below": stop_p} if stop_p > 0 else {}
+            drafts, d_logits = session.propose(last, committed,
+                                               lambda row: _pick(row, temperature, generator),
+                                               **stop, **sizing)
+            conf = _confidences(d_logits, drafts) if cutting else []
+            n_draft = pol.cut(conf, time.perf_counter() - t0) if cutting else len(drafts)
+            drafts, d_logits = drafts[:n_draft], d_logits[:n_draft]
+            q_probs = None if temperature == 0 or not drafts else probabilities(d_logits,
+                                                                                temperature)
+            t1 = time.perf_counter()
+            ids = torch.tensor([[last] + drafts], device=dev)
+            out = runtime.forward(ids)
+            result.target_forwards += 1
+            accepted = _verify(out.row_logits, drafts, q_probs, temperature, generator)
+            # nothing past EOS or the answer's budget is committed: the next turn of a session
+            # starts right after the answer, in the target's cache and the drafter's session
+            accepted = _cut(accepted, eos_token_id, max_new_tokens - len(tokens))
+            runtime.crop(committed + len(accepted))     # roll back past the first rejection
+            t2 = time.perf_counter()
+            session.commit(accepted, out.hidden)
+            draft_s = (t1 - t0) + (time.perf_counter() - t2)
+            result.draft_s += draft_s
+            result.verify_s += t2 - t1
+            pol.observe(asked, draft_s, conf, len(drafts), len(accepted) - 1, t2 - t1)
+            last = _record_step(result, accepted, len(drafts), committed, eos_token_id,
+                                max_new_tokens, tick)
+        result.wall_s = time.perf_counter() - start
+        result.policy = pol.report()
+        results.append(result)
+        turn = _next_turn(follow_up, results, runtime, max_new_tokens, drafter.max_drafts + 1,
+                          max_context)
+        if turn is None:
+            return results
+        start = time.perf_counter()
+        last = _append_turn(runtime, session, sized, last, turn.to(dev), temperature, generator)
+        result = GenerationResult([last], runtime.length, 1, 0.0,
+                                  block_size=drafter.max_drafts + 1)
+        tokens = result.tokens
+        tick(1)
+        result.prefill_s = time.perf_counter() - start
+
+
+def _append_turn(runtime, session, sized: bool, last: int, turn: torch.Tensor, temperature,
+                 generator) -> int:
+    """Run a follow-up turn's (1, L) ids after `last` (committed, not yet forwarded) through the
+    target and hand them to the drafter's session as an accepted step; returns the answer's
+    first token."""
+    committed = runtime.length
+    draw = lambda row: _pick(row, temperature, generator)    # noqa: E731
+    if sized:                          # no drafts: the session only notes `last`
+        session.propose(last, committed, draw, max_drafts=0)
+    else:                              # a session that always drafts: its drafts are dropped
+        session.propose(last, committed, draw)
+    ids = torch.cat([turn.new_tensor([[last]]), turn], dim=1)
+    out = runtime.forward(ids)
+    first = _pick(out.row_logits[ids.shape[1] - 1], temperature, generator)
+    session.commit(turn[0].tolist() + [first], out.hidden)
+    return first
 
 
 def verify_tree(p_logits: torch.Tensor, tree, temperature: float, generator) -> tuple:
