@@ -236,6 +236,8 @@ PARSER_CASES = [
     (["generate", "--seed=-1"], ["--seed", ">= 0"]),
     (["generate", "--kjv-context=-5"], ["--kjv-context", ">= 1"]),
     (["generate", "--context-window=-1"], ["--context-window", ">= 1"]),
+    (["generate", "--attention-sinks", "4"], ["--attention-sinks", "needs --context-window"]),
+    (["bench", "--suite", "sessions", "--sessions", "novels"], ["--sessions", "invalid choice"]),
     (["generate", "--slope", "nan"], ["--slope", "finite"]),
     (["generate", "--draft-threshold", "nan"], ["--draft-threshold", "finite"]),
     (["generate", "--temperature", "-0.5"], ["--temperature", ">= 0"]),

@@ -112,3 +112,22 @@ def test_a_replayed_variant_equals_its_real_run(smollm2, tmp_path):
     assert (tmp_path / "sessions.md").is_file() and (tmp_path / "sessions.png").is_file()
     with pytest.raises(ValueError, match="slope is replayed but no real variant"):
         suite.run(target, tok, [SHORT], vs[1:], out=tmp_path / "x")
+
+
+def test_bench_suite_sessions_from_the_command_line(smollm2, tmp_path, monkeypatch, capsys):
+    """`sharpdraft bench --suite sessions` (one short session here): the frozen drafter real,
+    SharpDraft and a windowed row with sinks replayed, the report written."""
+    import json
+
+    from sharpdraft.cli import commands as cli
+    from sharpdraft.data import sessions as data_sessions
+    monkeypatch.setattr(data_sessions, "sessions", lambda tok, names: [SHORT])
+    rc = cli.main(["bench", "--suite", "sessions", "--drafter", "eagle3", "--slope", "0.3",
+                   "--context-window", "8", "--attention-sinks", "2", "--max-new-tokens", "16",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "sessions.json").read_text())
+    labels = [v["label"] for v in data["settings"]["variants"]]
+    assert labels == ["eagle3 frozen", "eagle3 slope 0.3", "eagle3 window 8+2"]
+    assert data["settings"]["real"] == ["eagle3 frozen"] and data["settings"]["replay_exact"]
+    assert "| eagle3 window 8+2 |" in capsys.readouterr().out

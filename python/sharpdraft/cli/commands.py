@@ -31,6 +31,7 @@ run-time error into one line; `parser` defines the flags and validates them once
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -234,6 +235,8 @@ def cmd_bench(args) -> dict:
     from ..eval.bench import bench_variants, run_bench
 
     target, tokenizer, provenance = load_target_for(args)
+    if args.suite == "sessions":
+        return _bench_sessions(target, tokenizer, provenance, args)
     prompts = _bench_prompts(target, tokenizer, args, args.maths)
     drafter = build_drafter(target, tokenizer, args)
     variants = bench_variants(args.drafter, drafter, registry.get(args.drafter).trees)
@@ -243,6 +246,39 @@ def cmd_bench(args) -> dict:
     print((Path(args.out) / "bench.md").read_text())
     print(f"wrote {args.out}/bench.json, bench.md, tau_vs_context.png, speedup_by_kind.png")
     return {"target": provenance, "runs": len(rows)}
+
+
+def _bench_sessions(target, tokenizer, provenance, args) -> dict:
+    """`sharpdraft bench --suite sessions`: the drafter frozen (real, timed), with SharpDraft
+    (replayed) and, with --context-window, frozen in that window (replayed)."""
+    from ..data.sessions import SESSIONS, sessions
+    from ..eval.sessions import Variant, run
+
+    try:
+        chosen = sessions(tokenizer, args.sessions or SESSIONS)
+    except ValueError as err:
+        raise ValueError(describe_error(err)) from err
+    kind = drafter_kind(args.drafter, args.drafter_path)
+
+    def drafter(sharp: bool, window):
+        return build_drafter(target, tokenizer, argparse.Namespace(
+            **{**vars(args), "drafter": kind, "sharp": sharp, "context_window": window,
+               "attention_sinks": args.attention_sinks if window else 0}))
+    frozen = drafter(False, None)
+    sharp = drafter(True, None)
+    slope = "calibrated" if sharp.sharp.layer_slopes else f"slope {sharp.sharp.slope:g}"
+    variants = [Variant(f"{kind} frozen", frozen, kind, real=True, n_ref=frozen.sharp.n_ref),
+                Variant(f"{kind} {slope}", sharp, kind, n_ref=sharp.sharp.n_ref)]
+    if args.context_window:
+        w = drafter(False, args.context_window)
+        sinks = f"+{args.attention_sinks}" if args.attention_sinks else ""
+        variants.append(Variant(f"{kind} window {args.context_window}{sinks}", w, kind,
+                                n_ref=w.sharp.n_ref))
+    data = run(target, tokenizer, chosen, variants, out=Path(args.out),
+               max_new_tokens=args.max_new_tokens, target_name=provenance.get("source", ""))
+    print((Path(args.out) / "sessions.md").read_text())
+    print(f"wrote {args.out}/sessions.json, sessions.md, sessions.png")
+    return {"target": provenance, "rows": len(data["rows"])}
 
 
 def cmd_analyze(args) -> dict:

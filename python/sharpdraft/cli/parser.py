@@ -19,6 +19,7 @@ from typing import Optional
 
 
 from .. import settings
+from ..data.sessions import SESSIONS
 from ..data.sources import SOURCES
 from ..drafters import registry
 from ..target.loading import DTYPES
@@ -159,10 +160,16 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="AR vs a frozen drafter vs the drafter + SharpDraft on real "
                                      "prompts")
     _common(b)
-    b.add_argument("--suite", choices=["tasks"], default=None,
+    b.add_argument("--suite", choices=["tasks", "sessions"], default=None,
                    help="tasks: the held-out task suite (story / chat, code, maths, questions "
                         "on 2k / 4k / 6k-token documents; sharpdraft.data.tasks.suite) instead "
-                        "of --lengths and --maths; a table by category")
+                        "of --lengths and --maths; a table by category. sessions: held-out "
+                        "multi-turn sessions growing to the target's context "
+                        "(sharpdraft.eval.sessions): tau by context bucket of the frozen drafter "
+                        "(timed, against target-only) and SharpDraft (--slope; replayed), with "
+                        "--context-window a windowed frozen row too; --max-new-tokens per turn")
+    b.add_argument("--sessions", nargs="+", default=None, choices=SESSIONS,
+                   help="with --suite sessions: only these (default: all)")
     b.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
                    help="with --suite tasks: only these categories (default: all)")
     b.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 4096, 6144],
