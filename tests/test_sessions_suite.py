@@ -101,6 +101,7 @@ def test_a_replayed_variant_equals_its_real_run(smollm2, tmp_path):
     data = suite.run(target, tok, [SHORT], vs, out=tmp_path, max_new_tokens=24,
                      max_context=512)
     assert data["settings"]["replay_exact"] is True
+    assert data["settings"]["same_answers_as_target_only"] is True
     real = suite.real_run(target, tok, SHORT, sharp, max_new_tokens=24, max_context=512)[0]
     import json
     part = json.loads((tmp_path / "parts" / "slope.json").read_text())["short"]

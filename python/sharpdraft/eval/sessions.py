@@ -25,8 +25,8 @@ ratio of rates).
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -107,10 +107,13 @@ def _record(drafter, rec: _Recording):
 
 
 def _steps(results) -> List[dict]:
-    """Per turn: the steps' accept lengths and contexts and the timings of a chat's results."""
+    """Per turn: the steps' accept lengths and contexts, the timings of a chat's results and a
+    digest of the answer (lossless runs share it)."""
     return [{"context": r.prompt_tokens, "new_tokens": r.new_tokens,
              "accept_lengths": list(r.accept_lengths), "contexts": list(r.context_lengths),
-             "decode_s": r.decode_s, "prefill_s": r.prefill_s} for r in results]
+             "decode_s": r.decode_s, "prefill_s": r.prefill_s,
+             "answer_sha1": hashlib.sha1(str(r.tokens).encode()).hexdigest()[:16]}
+            for r in results]
 
 
 def real_run(target, tokenizer, session: Session, drafter, *, max_new_tokens: int,
@@ -277,7 +280,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
             f"{meta['max_new_tokens']} new tokens a turn, context up to {meta['max_context']}, "
             f"greedy, full drafts (no draft threshold). Real runs: "
             f"{', '.join(meta['real'])}; the others replayed from a real run's recording "
-            f"(replay of the recorded variant exact: {meta['replay_exact']}). Turns and "
+            f"(replay of the recorded variant exact: {meta['replay_exact']}; real runs' answers "
+            f"equal target-only's: {meta['same_answers_as_target_only']}). Turns and "
             f"generated tokens per session: {meta['turns']}.", "",
             "tau [95% bootstrap over (session, turn) chunks] by context bucket (tokens):", ""]
     text += grid(lambda c: f"{c['tau']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]")
@@ -399,6 +403,10 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
             "real": [v.label for v in variants if v.real], "variants": vs,
             "replay_exact": all(exact.values()) if exact else None,
             "replay_exact_by_session": {f"{k[0]}/{k[1]}": e for k, e in exact.items()},
+            "same_answers_as_target_only": all(
+                [t["answer_sha1"] for t in parts[v.label][s.name]]
+                == [t["answer_sha1"] for t in baseline[s.name]]
+                for v in variants if v.real for s in sessions),
             "turns": {s.name: [len(baseline[s.name]),
                                sum(t["new_tokens"] for t in baseline[s.name])]
                       for s in sessions}}
