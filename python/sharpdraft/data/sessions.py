@@ -5,7 +5,8 @@ corpus or a training run:
 - documents: licence texts from /usr/share/common-licenses (held out from every corpus), each
   cut to about `DOC_TOKENS` tokens, with a question on it and a follow-up question;
 - maths: the held-out champ-dataset problems (`sources.CHAMP_HELD_OUT`): the second half pasted
-  with their solutions as course notes, then the first half asked one after another;
+  with their solutions as course notes, then the first half asked one after another, each
+  answer followed by a request to check it;
 - reading: the held-out book of Genesis (`sources.KJV_HELD_OUT_BOOKS`) read chapter by chapter,
   each with a request and a follow-up question (a long chat about a long text).
 
@@ -38,6 +39,7 @@ READING_REQUESTS = ("Retell this chapter in plain modern words.",
                     "Who are the people in this chapter, and what does each of them do?",
                     "What happens in this chapter that matters for the rest of the story?")
 READING_FOLLOW_UP = "What did you find most surprising in it, and why?"
+MATHS_CHECK = "Check that answer another way, briefly."
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ def documents(tokenizer) -> Session:
 
 
 def maths() -> Session:
-    """Held-out champ problems: half of them as worked notes, the other half one by one.
+    """Held-out champ problems: half of them as worked notes, the other half one by one, each
+    answer checked in the next turn.
 
     Raises:
         ModuleNotFoundError saying how to install it: champ-dataset is absent.
@@ -82,8 +85,10 @@ def maths() -> Session:
                         for p in problems[half:])
     first = (f"Here are worked examples from my course notes:\n\n{notes}\n\nNow solve this "
              f"one step by step, in the same way:\n{problems[0]['problem']}")
-    rest = [f"Next problem:\n{p['problem']}\nSolve it step by step." for p in problems[1:half]]
-    return Session("maths", (first, *rest))
+    turns = [first]
+    for p in problems[1:half]:
+        turns += [MATHS_CHECK, f"Next problem:\n{p['problem']}\nSolve it step by step."]
+    return Session("maths", tuple(turns + [MATHS_CHECK]))
 
 
 def _genesis_chapters() -> List[str]:
