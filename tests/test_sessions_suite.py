@@ -106,6 +106,9 @@ def test_a_replayed_variant_equals_its_real_run(smollm2, tmp_path):
     assert (tmp_path / "sessions.md").is_file() and (tmp_path / "sessions.png").is_file()
     with pytest.raises(ValueError, match="slope is replayed but no real variant"):
         suite.run(target, tok, [SHORT], vs[1:], out=tmp_path / "x")
+    cut = suite.Variant("cut", sharp, "eagle3", draft_threshold=0.5)
+    with pytest.raises(ValueError, match="cut has a draft threshold, so it must run real"):
+        suite.run(target, tok, [SHORT], vs + [cut], out=tmp_path / "y")
 
 
 def test_bench_suite_sessions_from_the_command_line(smollm2, tmp_path, monkeypatch, capsys):

@@ -49,13 +49,16 @@ class Variant:
     """One row of the suite: `label`, the `drafter` (its `sharp`, context window and sinks set),
     its `family` (the variants of one drafter checkpoint: each pairs against the family's first
     variant, its frozen one), and whether it runs `real` (else replayed from the recording of
-    the first real variant whose drafter reads the same target layers)."""
+    the first real variant whose drafter reads the same target layers). `draft_threshold` > 0
+    (real variants only): drafts cut as the fixed policy cuts them, so tau is that of the cut
+    drafts and the speedup that of the setting users decode with."""
 
     label: str
     drafter: object
     family: str
     real: bool = False
     n_ref: int = 0
+    draft_threshold: float = 0.0
     notes: Dict[str, object] = field(default_factory=dict)
 
 
@@ -117,7 +120,7 @@ def _steps(results) -> List[dict]:
 
 
 def real_run(target, tokenizer, session: Session, drafter, *, max_new_tokens: int,
-             max_context: int, record: bool = False):
+             max_context: int, record: bool = False, draft_threshold: float = 0.0):
     """One timed session: (turns, answers, transcript, recording or None). drafter None: the
     target-only baseline."""
     conv = Conversation(tokenizer, session, max_new_tokens, max_context)
@@ -133,7 +136,8 @@ def real_run(target, tokenizer, session: Session, drafter, *, max_new_tokens: in
         try:
             results = speculative_chat(target, drafter, conv.first, max_new_tokens,
                                        conv.follow_up, eos_token_id=eos,
-                                       max_context=max_context)
+                                       max_context=max_context,
+                                       draft_threshold=draft_threshold)
         finally:
             if record:
                 del drafter.start
@@ -278,7 +282,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
     text = [f"Sessions suite: {', '.join(meta['sessions'])} (held-out text, "
             f"`sharpdraft.data.sessions`), target {meta['target']}, up to "
             f"{meta['max_new_tokens']} new tokens a turn, context up to {meta['max_context']}, "
-            f"greedy, full drafts (no draft threshold). Real runs: "
+            f"greedy, full drafts (no draft threshold) but where a label names one. Real runs: "
             f"{', '.join(meta['real'])}; the others replayed from a real run's recording "
             f"(replay of the recorded variant exact: {meta['replay_exact']}; real runs' answers "
             f"equal target-only's: {meta['same_answers_as_target_only']}). Turns and "
@@ -317,8 +321,8 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
     `out`/parts, reused when a cut run resumes: a part is the variant's turns per session).
 
     Raises:
-        ValueError: no variant, duplicate labels, or a replayed variant with no real variant
-            before it reading the same target layers.
+        ValueError: no variant, duplicate labels, a replayed variant with a draft threshold or
+            with no real variant (threshold 0) before it reading the same target layers.
     """
     if not variants:
         raise ValueError("variants: none given")
@@ -328,9 +332,11 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
     recorder: Dict[tuple, Variant] = {}        # target layers -> the variant recording them
     for v in variants:
         layers = tuple(v.drafter.hidden_layers)
-        if v.real:
+        if v.real and not v.draft_threshold:
             recorder.setdefault(layers, v)
-        elif layers not in recorder:
+        elif not v.real and v.draft_threshold:
+            raise ValueError(f"variants: {v.label} has a draft threshold, so it must run real")
+        elif not v.real and layers not in recorder:
             raise ValueError(f"variants: {v.label} is replayed but no real variant before it "
                              f"reads target layers {list(layers)}")
     limit = max_context or target_model(target).config.max_position_embeddings
@@ -358,7 +364,9 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
         save(f, baseline)
     else:
         bar.update(len(sessions))
-    parts, recordings, exact = {}, {}, {}
+    parts, recordings = {}, {}
+    exact_file, exact = load("replay-exact")        # {"label/session": bool}, kept on resume
+    exact = exact or {}
 
     def record(v: Variant, s: Session):
         """Run `v` for real, recording its hidden states; returns its turns."""
@@ -368,8 +376,9 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
         hidden = rec.tensor()
         recordings[(tuple(v.drafter.hidden_layers), s.name)] = (conv, hidden)
         again = replay(target, v.drafter, conv, hidden, limit)
-        exact[(v.label, s.name)] = [a["accept_lengths"] for a in again] == \
+        exact[f"{v.label}/{s.name}"] = [a["accept_lengths"] for a in again] == \
             [b["accept_lengths"] for b in turns]
+        save(exact_file, exact)
         return turns
 
     for v in variants:
@@ -381,11 +390,12 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
         part = {}
         for s in sessions:
             layers = tuple(v.drafter.hidden_layers)
-            if recorder[layers] is v:
+            if recorder.get(layers) is v:
                 part[s.name] = record(v, s)
             elif v.real:
                 part[s.name] = real_run(target, tokenizer, s, v.drafter,
-                                        max_new_tokens=max_new_tokens, max_context=limit)[0]
+                                        max_new_tokens=max_new_tokens, max_context=limit,
+                                        draft_threshold=v.draft_threshold)[0]
             else:
                 if (layers, s.name) not in recordings:     # a resumed run: record again
                     record(recorder[layers], s)
@@ -395,14 +405,14 @@ def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, 
         parts[v.label] = part
         save(f, part)
     bar.close()
-    vs = [{"label": v.label, "family": v.family, "real": v.real, "n_ref": v.n_ref, **v.notes}
-          for v in variants]
+    vs = [{"label": v.label, "family": v.family, "real": v.real, "n_ref": v.n_ref,
+           "draft_threshold": v.draft_threshold, **v.notes} for v in variants]
     rows = table(parts, baseline, vs, seed=seed)
     meta = {"sessions": [s.name for s in sessions], "target": target_name,
             "max_new_tokens": max_new_tokens, "max_context": limit, "edges": list(EDGES),
             "real": [v.label for v in variants if v.real], "variants": vs,
             "replay_exact": all(exact.values()) if exact else None,
-            "replay_exact_by_session": {f"{k[0]}/{k[1]}": e for k, e in exact.items()},
+            "replay_exact_by_session": exact,
             "same_answers_as_target_only": all(
                 [t["answer_sha1"] for t in parts[v.label][s.name]]
                 == [t["answer_sha1"] for t in baseline[s.name]]
