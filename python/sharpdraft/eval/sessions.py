@@ -121,8 +121,9 @@ def _steps(results) -> List[dict]:
 
 def real_run(target, tokenizer, session: Session, drafter, *, max_new_tokens: int,
              max_context: int, record: bool = False, draft_threshold: float = 0.0):
-    """One timed session: (turns, answers, transcript, recording or None). drafter None: the
-    target-only baseline."""
+    """One timed session: (per-turn steps, answers, the `Conversation`, its `_Recording` or
+    None). drafter None: the target-only baseline. record: hand the drafter's session the
+    recording wrapper (its hidden states of every committed position)."""
     conv = Conversation(tokenizer, session, max_new_tokens, max_context)
     eos = tokenizer.eos_token_id
     rec = None

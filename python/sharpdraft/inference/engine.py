@@ -390,7 +390,7 @@ def _ar_loop(runtime, prompt_ids, max_new_tokens, temperature, eos_token_id, gen
             result.target_forwards += 1
         result.wall_s = time.perf_counter() - start
         result.verify_s = result.wall_s - result.prefill_s
-        turn = _next_turn(follow_up, results, runtime, max_new_tokens, 0, max_context)
+        turn = _next_turn(follow_up, results, runtime, max_new_tokens, max_context)
         if turn is None:
             return results
         start = time.perf_counter()
@@ -399,7 +399,7 @@ def _ar_loop(runtime, prompt_ids, max_new_tokens, temperature, eos_token_id, gen
 
 
 def _next_turn(follow_up, results: List[GenerationResult], runtime, max_new_tokens: int,
-               extra: int, max_context: Optional[int]) -> Optional[torch.Tensor]:
+               max_context: Optional[int]) -> Optional[torch.Tensor]:
     """The ids `follow_up` appends after the last turn's answer (checked), or None: no
     follow_up, or it ends the session."""
     if follow_up is None:
@@ -693,8 +693,7 @@ def _chain_loop(runtime, drafter, prompt_ids, max_new_tokens, temperature, eos_t
         result.wall_s = time.perf_counter() - start
         result.policy = pol.report()
         results.append(result)
-        turn = _next_turn(follow_up, results, runtime, max_new_tokens, drafter.max_drafts + 1,
-                          max_context)
+        turn = _next_turn(follow_up, results, runtime, max_new_tokens, max_context)
         if turn is None:
             return results
         start = time.perf_counter()
