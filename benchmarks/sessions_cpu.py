@@ -20,7 +20,6 @@ A cut run resumes from the parts already written to --out/parts.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
