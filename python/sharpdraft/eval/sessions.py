@@ -299,18 +299,26 @@ def markdown(rows: List[dict], meta: dict) -> str:
     return "\n".join(text) + "\n"
 
 
+def plt_colour(k: int):
+    """Colour k of matplotlib's 20-colour qualitative map (more variants than the default 10)."""
+    import matplotlib
+    return matplotlib.colormaps["tab20"](k % 20)
+
+
 def plot(rows: List[dict], meta: dict, path) -> None:
     fig, ax = figure(figsize=(7.5, 4.5))
     names = list(dict.fromkeys(r["variant"] for r in rows))
+    colours = [plt_colour(k) for k in range(len(names))]
     for k, name in enumerate(names):
         rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: r["bucket"][0])
         x = [(r["bucket"][0] + r["bucket"][1]) / 2 + 40 * (k - len(names) / 2) for r in rs]
         y = [r["tau"] for r in rs]
         err = [[r["tau"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["tau"] for r in rs]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name)
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name, color=colours[k])
     ax.set_xlabel("context at the verification step (tokens)")
     ax.set_ylabel("tau (tokens per verification)")
-    ax.set_title(f"Sessions suite: acceptance by context ({meta['target']})")
+    ax.set_title(f"Sessions suite: acceptance by context ({meta['target']}); buckets mix "
+                 "sessions", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     save_figure(fig, path)
 
