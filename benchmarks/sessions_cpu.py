@@ -61,7 +61,7 @@ def variants(model, calibrated, short_window, real_extra):
     if short_window:
         eagle3_rows(Path(short_window), "eagle3-w256", 256)
     # as users decode: at the checkpoint's measured draft threshold (timed, real runs only)
-    th = load_drafter("eagle3", model).default_draft_threshold
+    th = out[0].drafter.default_draft_threshold           # the shipped EAGLE-3's measured one
     for label, kw in ((f"eagle3 frozen @{th:g}", {"sharp": False}),
                       (f"eagle3 window 512 @{th:g}", {"sharp": False, "context_window": 512})):
         add(label, "eagle3", f"eagle3 @{th:g}", real=True, draft_threshold=th, **kw)

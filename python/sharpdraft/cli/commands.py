@@ -254,10 +254,7 @@ def _bench_sessions(target, tokenizer, provenance, args) -> dict:
     from ..data.sessions import SESSIONS, sessions
     from ..eval.sessions import Variant, run
 
-    try:
-        chosen = sessions(tokenizer, args.sessions or SESSIONS)
-    except ValueError as err:
-        raise ValueError(describe_error(err)) from err
+    chosen = sessions(tokenizer, args.sessions or SESSIONS)     # names checked by the parser
     kind = drafter_kind(args.drafter, args.drafter_path)
 
     def drafter(sharp: bool, window):

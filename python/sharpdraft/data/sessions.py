@@ -16,7 +16,6 @@ ends the session before a turn would pass the context limit.
 """
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -74,12 +73,9 @@ def maths() -> Session:
     Raises:
         ModuleNotFoundError saying how to install it: champ-dataset is absent.
     """
-    from . import sources
-    try:
-        problems = sources.champ_problems()[:sources.CHAMP_HELD_OUT]
-    except importlib.metadata.PackageNotFoundError:
-        raise ModuleNotFoundError("the maths session needs champ-dataset: pip install "
-                                  "champ-dataset==1.0.0") from None
+    from .tasks import held_out_problems
+
+    problems = held_out_problems("the maths session")
     half = len(problems) // 2
     notes = "\n\n".join(f"Problem: {p['problem']}\nSolution: {p['solution']}"
                         for p in problems[half:])

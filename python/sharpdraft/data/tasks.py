@@ -118,6 +118,22 @@ def cut_document(tokenizer, name: str, tokens: int) -> str:
     return cut[:cut.rfind("\n")] if "\n" in cut else cut
 
 
+def held_out_problems(what: str) -> List[dict]:
+    """The held-out champ-dataset problems (the first `sources.CHAMP_HELD_OUT`, never in a
+    corpus).
+
+    Raises:
+        ModuleNotFoundError saying how to install it, naming `what` needs it: champ-dataset is
+            absent.
+    """
+    from . import sources
+    try:
+        return sources.champ_problems()[:sources.CHAMP_HELD_OUT]
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(f"{what} needs champ-dataset: pip install "
+                                  f"champ-dataset==1.0.0") from None
+
+
 def suite_names(categories: Sequence[str] = SUITE, maths: int = 2) -> List[str]:
     """The names of `suite`'s tasks in the same order ("story-0", ..., "doc-6k-GPL-3"), known
     without a tokenizer or any file (what a command line checks a task name against).
@@ -163,12 +179,7 @@ def suite(tokenizer, categories: Sequence[str] = SUITE, maths: int = 2) -> List[
         elif c == "code":
             out += [{"name": f"code-{i}", "kind": c, "text": t} for i, t in enumerate(CODING)]
         elif c == "maths":
-            from . import sources
-            try:
-                problems = sources.champ_problems()[:min(maths, sources.CHAMP_HELD_OUT)]
-            except importlib.metadata.PackageNotFoundError:
-                raise ModuleNotFoundError("the suite's maths category needs champ-dataset: pip "
-                                          "install champ-dataset==1.0.0") from None
+            problems = held_out_problems("the suite's maths category")[:maths]
             out += [{"name": f"maths-{i}", "kind": c,
                      "text": f"{p['problem']}\nSolve it step by step."}
                     for i, p in enumerate(problems)]

@@ -28,7 +28,7 @@ from ..attention import SharpConfig, attend
 from .base import Drafter
 from .common import evenly_spaced_layers
 from .config_checks import check_config, feature_layer_problems, llama_config, target_geometry
-from .layers import HeadProjections, last_keys
+from .layers import HeadProjections, in_window, last_keys
 from .sessions import draw_rows, no_drafts, session_cache, state_bytes, wanted
 
 
@@ -265,8 +265,8 @@ class DFlashDrafter(Drafter):
         cols = torch.arange(T, device=dev)[None, :]
         sees_ctx = cols < anchors[:, None]                                          # (K, T)
         if self.context_window is not None:          # as at inference: the last W positions
-            sees_ctx &= ((cols >= anchors[:, None] - self.context_window)
-                         | (cols < self.attention_sinks))
+            sees_ctx &= in_window(cols, anchors[:, None] - self.context_window,
+                                  self.attention_sinks)
         same_block = torch.eye(K, dtype=torch.bool, device=dev)
         mask = torch.cat([sees_ctx.repeat_interleave(b, 0),
                           same_block.repeat_interleave(b, 0).repeat_interleave(b, 1)], dim=1)

@@ -39,7 +39,7 @@ from ..attention import SharpConfig, attend
 from .base import Drafter
 from .config_checks import check_config, feature_layer_problems, llama_config, target_geometry
 from .eagle3_session import Eagle3Session
-from .layers import HeadProjections, last_keys
+from .layers import HeadProjections, in_window, last_keys
 from .sessions import session_cache
 
 
@@ -287,8 +287,8 @@ class Eagle3Drafter(Drafter):
             # visible: step-0 keys at index <= t, then this row's own step 1 .. d keys
             vis0 = key_ids[None, :n] <= cur[:, None]
             if self.context_window is not None:   # as chain inference: context >= t + d - W
-                vis0 &= ((key_ids[None, :n] >= cur[:, None] + d - self.context_window)
-                         | (key_ids[None, :n] < self.attention_sinks))
+                vis0 &= in_window(key_ids[None, :n], cur[:, None] + d - self.context_window,
+                                  self.attention_sinks)
             diag = torch.eye(m, dtype=torch.bool, device=ids.device)
             mask = torch.cat([vis0] + [diag] * d, dim=1)
             kk = torch.cat([keys[0][:, :, :n]] + [kd[:, :, :m] for kd in keys[1:]], dim=2)

@@ -51,6 +51,12 @@ def last_keys(k: torch.Tensor, v: torch.Tensor, window: Optional[int], own: int 
     return both(k), both(v), mask
 
 
+def in_window(keys: torch.Tensor, first: torch.Tensor, sinks: int = 0) -> torch.Tensor:
+    """The window's rule, broadcast: key positions `keys` >= `first` (the window's first key),
+    or < `sinks`. Every windowed mask (inference and training) is built from it."""
+    return (keys >= first) | (keys < sinks)
+
+
 def window_mask(rows: torch.Tensor, first_draft: int, window: Optional[int],
                 sinks: int = 0) -> Optional[torch.Tensor]:
     """(1, 1, L, rows[-1] + 1) bool inference mask of rows at positions `rows` (increasing,
@@ -61,7 +67,7 @@ def window_mask(rows: torch.Tensor, first_draft: int, window: Optional[int],
         return None
     keys = torch.arange(int(rows[-1]) + 1, device=rows.device)
     start = torch.minimum(rows, torch.full_like(rows, first_draft)) - window
-    seen = (keys[None, :] >= start[:, None]) | (keys[None, :] < sinks)
+    seen = in_window(keys[None, :], start[:, None], sinks)
     return ((keys[None, :] <= rows[:, None]) & seen)[None, None]
 
 

@@ -34,7 +34,7 @@ from ..attention import SharpConfig, register
 from ..target.kv_cache import CACHE_KWARG
 from .base import Drafter
 from .config_checks import check_config, llama_config, require_llama_layers, target_geometry
-from .layers import window_mask
+from .layers import in_window, window_mask
 from .sessions import crop_to, draw_rows, no_drafts, session_cache, state_bytes, wanted
 
 
@@ -107,7 +107,7 @@ def parallel_draft_mask(keep: torch.Tensor, window: Optional[int] = None,
     jk, pk = copy[None, :], pos[None, :]
     real = (jk == 0) & (pk <= pq - jq)
     if window is not None:
-        real &= (pk >= pq - jq - window) | (pk < sinks)
+        real &= in_window(pk, pq - jq - window, sinks)
     ancestor = (jk >= 1) & (jk <= jq) & (pk == pq - jq + jk)
     return real | ancestor
 

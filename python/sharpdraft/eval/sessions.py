@@ -39,7 +39,8 @@ from ..inference.engine import (autoregressive_chat, runtime_session, speculativ
                                 target_model)
 from ..target.quantized import is_quantised
 from ..target.runtime import prepare_drafter
-from .report import figure, save_figure, write_report
+from .report import write_report
+from .sweep import bucket_table, plot as sweep_plot
 
 EDGES = (0, 2048, 4096, 6144, 8192)
 
@@ -242,14 +243,13 @@ def table(parts: Dict[str, dict], baseline: Dict[str, List[dict]], variants: Lis
             if not keys:
                 continue
             tau, lo, hi = _bootstrap([(sum(mine[k]), len(mine[k])) for k in keys], reps, seed)
-            d, dlo, dhi = _paired(mine, base, keys, reps, seed)
-            tau_f = sum(sum(base[k]) for k in keys) / sum(len(base[k]) for k in keys)
+            d, dlo, dhi = _paired(mine, base, keys, reps, seed)     # d = tau - tau(frozen)
             row = {"variant": v["label"], "family": v["family"],
                    "bucket": [edges[b], edges[b + 1]],
                    "steps": sum(len(mine[k]) for k in keys), "chunks": len(keys),
                    "tau": round(tau, 4), "ci95": [round(lo, 4), round(hi, 4)],
                    "delta_vs_frozen": round(d, 4), "delta_ci95": [round(dlo, 4), round(dhi, 4)],
-                   "relative_delta": round(d / tau_f, 4), "decode_speedup": None}
+                   "relative_delta": round(d / (tau - d), 4), "decode_speedup": None}
             if v["real"]:
                 row["decode_speedup"] = _speedup(parts[v["label"]], baseline, edges, b)
             rows.append(row)
@@ -267,19 +267,8 @@ def _speedup(turns: Dict[str, List[dict]], baseline: Dict[str, List[dict]], edge
 
 
 def markdown(rows: List[dict], meta: dict) -> str:
-    buckets = sorted({tuple(r["bucket"]) for r in rows})
-    get = {(r["variant"], tuple(r["bucket"])): r for r in rows}
-    names = list(dict.fromkeys(r["variant"] for r in rows))
-    head = ("| variant | " + " | ".join(f"{a}-{b}" for a, b in buckets) + " |\n|---|"
-            + "---:|" * len(buckets))
-
-    def grid(cell) -> List[str]:
-        lines = [head]
-        for n in names:
-            cs = [get.get((n, b)) for b in buckets]
-            lines.append(f"| {n} | " + " | ".join("" if c is None else cell(c) for c in cs)
-                         + " |")
-        return lines
+    named = [dict(r, scaling=r["variant"]) for r in rows]       # `sweep.bucket_table`'s key
+    grid = lambda cell: bucket_table(named, "variant", cell)    # noqa: E731
     text = [f"Sessions suite: {', '.join(meta['sessions'])} (held-out text, "
             f"`sharpdraft.data.sessions`), target {meta['target']}, up to "
             f"{meta['max_new_tokens']} new tokens a turn, context up to {meta['max_context']}, "
@@ -299,28 +288,13 @@ def markdown(rows: List[dict], meta: dict) -> str:
     return "\n".join(text) + "\n"
 
 
-def plt_colour(k: int):
-    """Colour k of matplotlib's 20-colour qualitative map (more variants than the default 10)."""
-    import matplotlib
-    return matplotlib.colormaps["tab20"](k % 20)
-
-
 def plot(rows: List[dict], meta: dict, path) -> None:
-    fig, ax = figure(figsize=(7.5, 4.5))
-    names = list(dict.fromkeys(r["variant"] for r in rows))
-    colours = [plt_colour(k) for k in range(len(names))]
-    for k, name in enumerate(names):
-        rs = sorted((r for r in rows if r["variant"] == name), key=lambda r: r["bucket"][0])
-        x = [(r["bucket"][0] + r["bucket"][1]) / 2 + 40 * (k - len(names) / 2) for r in rs]
-        y = [r["tau"] for r in rs]
-        err = [[r["tau"] - r["ci95"][0] for r in rs], [r["ci95"][1] - r["tau"] for r in rs]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=name, color=colours[k])
-    ax.set_xlabel("context at the verification step (tokens)")
-    ax.set_ylabel("tau (tokens per verification)")
-    ax.set_title(f"Sessions suite: acceptance by context ({meta['target']}); buckets mix "
-                 "sessions", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    save_figure(fig, path)
+    """tau by context bucket, one line per variant (`sweep.plot`)."""
+    sweep_plot([dict(r, scaling=r["variant"], tau_proxy=r["tau"]) for r in rows],
+               {"drafter": "sessions suite"}, path,
+               xlabel="context at the verification step (tokens)",
+               ylabel="tau (tokens per verification)",
+               what="tau by context (buckets mix sessions)", log_x=False)
 
 
 def run(target, tokenizer, sessions: List[Session], variants: List[Variant], *, out,

@@ -257,6 +257,10 @@ def plot(rows: List[dict], meta: dict, path, *, xlabel: str = "context at the an
     arithmetic centre."""
     fig, ax = figure(figsize=(7, 4.5))
     names = list(dict.fromkeys(r["scaling"] for r in rows))
+    if len(names) > 10:               # more lines than the default cycle has colours
+        import matplotlib
+        tab20 = matplotlib.colormaps["tab20"]
+        ax.set_prop_cycle(color=[tab20(k % 20) for k in range(len(names))])
     for k, name in enumerate(names):
         rs = sorted((r for r in rows if r["scaling"] == name), key=lambda r: r["bucket"][0])
         centre = [math.sqrt(r["bucket"][0] * r["bucket"][1]) if log_x
