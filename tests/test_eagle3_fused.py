@@ -1,8 +1,8 @@
 """EAGLE-3's fused CPU step (`drafters.eagle3_fused`, the `eagle3_layer` op): it gives the bits
 of the drafter's own modules run on the same Q8_0 blocks (context rows, chain drafts, tree rows
 under a mask; every attention scaling), stays close to the float32 modules, is used only where
-it applies (the modules run under autograd, an `observe` callback, a context window or a
-DynamicCache), is rebuilt when the weights change, and decoding through it stays lossless."""
+it applies (the modules run under autograd, an `observe` callback or a DynamicCache; a context
+window with sinks is kept as the modules keep it), is rebuilt when the weights change, and decoding through it stays lossless."""
 import pytest
 import torch
 
@@ -84,6 +84,46 @@ def test_fused_step_is_the_modules_on_the_same_blocks(target, scaling, feed_norm
     assert 0 < err < 0.03, err
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("scaling", ["none", "fixed_slope"])
+@torch.no_grad()
+def test_fused_step_keeps_the_window_and_sinks_of_the_modules(target, scaling, sinks):
+    """A sliding window of 5 keys (and 2 sink keys): context rows under `window_mask`, a chain
+    draft and tree rows under a mask see the keys the modules' `last_keys` keeps, so the bits
+    agree (SharpDraft's cardinality counts the kept keys only); a window wider than the context
+    changes nothing."""
+    from sharpdraft.drafters.layers import window_mask
+    drafter = drafter_for(target)
+    drafter.sharp = SCALINGS[scaling]
+    fused = FusedEagle3Step(drafter, target)
+    plain, _ = q8_modules(drafter, target)                    # no window
+    for window in (5, 64):
+        drafter.context_window, drafter.attention_sinks = window, sinks
+        ref, ref_head = q8_modules(drafter, target)
+        a, b, c = (PreallocatedCache(1, 40) for _ in range(3))
+        emb, hid = rows(9, 0)
+        for cache in (a, b, c):
+            ref.write_keys(emb, hid, torch.arange(9)[None], cache)
+        tree = torch.rand(1, 1, 4, 17, generator=torch.Generator().manual_seed(5)) < 0.6
+        tree[..., :12] = True
+        calls = [(3, torch.arange(9, 12)[None], window_mask(torch.arange(9, 12), 12, window,
+                                                              sinks)),
+                 (1, torch.tensor([[12]]), None),
+                 (4, torch.full((1, 4), 13), tree)]
+        cut = []
+        for seed, (n, p, mask) in enumerate(calls, 1):
+            emb, hid = rows(n, seed)
+            normed, want_hidden = ref.step(emb, hid, p, a, mask)
+            logits, got_hidden = fused(drafter, emb, hid, p, b, mask)
+            want = ref_head(normed[0])
+            assert torch.equal(logits[0], want), (window, n, (logits[0] - want).abs().max())
+            assert torch.equal(got_hidden, want_hidden)
+            whole = mask if mask is None or mask.shape[-1] == 17 else torch.tril(
+                torch.ones(n, 12, dtype=torch.bool), 9)[None, None]
+            cut.append(not torch.equal(plain.step(emb, hid, p, c, whole)[0], normed))
+        assert cut == ([True] * 3 if window == 5 else [False] * 3)
+
+
 @torch.no_grad()
 def test_draft_step_runs_the_modules_where_the_fused_step_does_not_apply(target):
     drafter = drafter_for(target)
@@ -111,15 +151,16 @@ def test_draft_step_runs_the_modules_where_the_fused_step_does_not_apply(target)
         assert calls == [1] and seen == [1]
         from transformers import DynamicCache
         drafter.draft_step(target, emb, hid, pos, DynamicCache())
-        drafter.context_window = 4
-        drafter.draft_step(target, emb, hid, pos, PreallocatedCache(1, 4))
-        drafter.context_window = None
         with torch.enable_grad():
             drafter.draft_step(target, emb, hid, pos, PreallocatedCache(1, 4))
         assert calls == [1]
+        drafter.context_window, drafter.attention_sinks = 4, 1     # the op keeps a window
+        drafter.draft_step(target, emb, hid, pos, PreallocatedCache(1, 4))
+        assert calls == [1, 1]
+        drafter.context_window, drafter.attention_sinks = None, 0
         drafter.prepare_for_target(target, quantised=False)    # a float target: modules
         drafter.draft_step(target, emb, hid, pos, PreallocatedCache(1, 4))
-        assert calls == [1] and drafter.__dict__["_fused_step"] is None
+        assert calls == [1, 1] and drafter.__dict__["_fused_step"] is None
     finally:
         FusedEagle3Step.__call__ = real
 
@@ -144,12 +185,15 @@ def test_changed_weights_rebuild_the_blocks(target, monkeypatch):
     assert drafter.__dict__["_fused_step"] is None
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("tree", [False, True])
-def test_decoding_through_the_fused_step_is_lossless(target, tree, monkeypatch):
+def test_decoding_through_the_fused_step_is_lossless(target, tree, window, monkeypatch):
     """Greedy chain and tree decoding with the fused step (the engine prepares it for a
-    quantised target; here forced on the tiny float target) equal target-only decoding."""
+    quantised target; here forced on the tiny float target), with or without a context
+    window and sinks, equal target-only decoding."""
     drafter = drafter_for(target)
     drafter.sharp = SCALINGS["fixed_slope"]
+    drafter.context_window, drafter.attention_sinks = window, 0 if window is None else 2
     monkeypatch.setattr("sharpdraft.inference.engine.is_quantised", lambda model: True)
     calls = []
     real = FusedEagle3Step.__call__
@@ -182,3 +226,7 @@ def test_bad_arguments_are_named(target):
         cpu_runtime.eagle3_layer(*args[:6], 4, *args[7:])  # rows past the capacity
     with pytest.raises(ValueError, match="hidden"):
         cpu_runtime.eagle3_layer(args[0], hid[0, :, :32], *args[2:])
+    with pytest.raises(ValueError, match="window"):
+        cpu_runtime.eagle3_layer(*args, window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        cpu_runtime.eagle3_layer(*args, window=4, sinks=-1)

@@ -45,6 +45,23 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                              s.contrast, s.beta_min, s.beta_max, std::nullopt));
 }
 
+// attention over the first rows.sinks and the last rows.window + m of the `end` keys k, v
+// (1, Hk, end, D): views without sinks, copies with them (the modules' last_keys), the mask's
+// key columns (where it has `end` of them) cut alike.
+at::Tensor windowed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const Rows& rows, int64_t m, const Scaling& s) {
+  const int64_t keep = rows.window + m, from = rows.end - keep, S = rows.sinks;
+  const auto cut = [&](const at::Tensor& t, int64_t dim) {
+    return S == 0 ? t.narrow(dim, from, keep)
+                  : at::cat({t.narrow(dim, 0, S), t.narrow(dim, from, keep)}, dim);
+  };
+  Rows kept = rows;
+  if (rows.attn_mask.has_value() && rows.attn_mask->size(-1) == rows.end) {
+    kept.attn_mask = cut(*rows.attn_mask, rows.attn_mask->dim() - 1);
+  }
+  return attention(q, cut(k, 2), cut(v, 2), kept, s);
+}
+
 }  // namespace
 
 Workspace::Workspace(int64_t m, int64_t hidden, const Geometry& g,
@@ -211,7 +228,9 @@ void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, c
   const at::Tensor qrows = ws.qkv_out.narrow(1, 0, nq).view({m, Hq, D});
   const at::Tensor qv = batched ? qrows.unsqueeze(2) : qrows.permute({1, 0, 2}).unsqueeze(0);
   const at::Tensor kv = key_cache.narrow(2, 0, rows.end), vv = value_cache.narrow(2, 0, rows.end);
-  const at::Tensor o = attention(qv, kv, vv, rows, scaling);
+  const at::Tensor o = rows.window >= 0 && !batched && rows.end > rows.sinks + rows.window + m
+                           ? windowed_attention(qv, kv, vv, rows, m, scaling)
+                           : attention(qv, kv, vv, rows, scaling);
   ws.attn.view({m, Hq, D}).copy_(batched ? o.squeeze(2) : o[0].permute({1, 0, 2}));
   linear(ws.attn.data_ptr<float>(), m, nq, w.o_proj, w.qtype_o, H, ws.proj.data_ptr<float>());
   x.add_(ws.proj);

@@ -49,6 +49,9 @@ struct LayerWeights {
 // causal keys, every key when not `causal`, or attn_mask), or with seq_starts (rows,) one row
 // per sequence r, batch r of the cache, written at seq_starts[r] and seeing keys
 // 0 .. seq_starts[r] (kv_lens).
+// A sliding `window` (>= 1; -1: none) keeps, for one sequence, the first `sinks` keys and the
+// last window + rows ones (the rows' own last) and the attn_mask's columns with them, as
+// sharpdraft.drafters.layers.last_keys does for the drafters' modules.
 struct Rows {
   int64_t start = 0;
   const int64_t* seq_starts = nullptr;
@@ -56,6 +59,7 @@ struct Rows {
   std::optional<at::Tensor> attn_mask;
   std::optional<at::Tensor> kv_lens;
   bool causal = true;
+  int64_t window = -1, sinks = 0;
 };
 
 // Layer l's scaling from a drafter op's arguments: `mode` and the shared parameters, slope[l],

@@ -31,7 +31,7 @@ std::vector<at::Tensor> eagle3_layer_cpu(
     int64_t head_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t intermediate_size, double eps, c10::string_view mode, double slope,
     const std::optional<at::Tensor>& slopes, int64_t n_ref, int64_t topk, double contrast,
-    double beta_min, double beta_max) {
+    double beta_min, double beta_max, std::optional<int64_t> window, int64_t sinks) {
   for (const at::Tensor* t : {&embeds, &hidden}) {
     TORCH_CHECK_VALUE(t->dim() == 2 && t->scalar_type() == at::kFloat && t->device().is_cpu() &&
                           t->sizes() == embeds.sizes(),
@@ -57,7 +57,12 @@ std::vector<at::Tensor> eagle3_layer_cpu(
   decoder::check_rotary(cos, sin, m, D);
   TORCH_CHECK_VALUE(start >= 0, "start must be >= 0, got ", start);
   decoder::check_cache(key_cache, value_cache, 1, g, start + m, 0);
-  const decoder::Rows rows{start, nullptr, start + m, attn_mask, std::nullopt};
+  TORCH_CHECK_VALUE(!window.has_value() || *window >= 1, "window must be None or >= 1, got ",
+                    window.value_or(0));
+  TORCH_CHECK_VALUE(sinks >= 0, "sinks must be >= 0, got ", sinks);
+  decoder::Rows rows{start, nullptr, start + m, attn_mask, std::nullopt};
+  rows.window = window.value_or(-1);
+  rows.sinks = sinks;
   const decoder::Scaling scaling{std::string(mode), slope,    slopes,  n_ref,
                                  topk,              contrast, beta_min, beta_max};
 

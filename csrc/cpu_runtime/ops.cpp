@@ -149,7 +149,8 @@ TORCH_LIBRARY(sharpdraft_cpu_runtime, m) {
       "Tensor post_norm, Tensor final_norm, Tensor qkv, Tensor o_proj, Tensor gate_up, "
       "Tensor down, Tensor? head, int[] qtypes, int head_size, int num_heads, int num_kv_heads, "
       "int head_dim, int intermediate_size, float eps, str mode, float slope, Tensor? slopes, "
-      "int n_ref, int topk, float contrast, float beta_min, float beta_max) -> Tensor[]");
+      "int n_ref, int topk, float contrast, float beta_min, float beta_max, int? window=None, "
+      "int sinks=0) -> Tensor[]");
   // The PARD drafter's layers and head (pard.cpp, which registers its CPU kernel).
   m.def(
       "pard_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] key_cache, Tensor[] value_cache, "

@@ -215,8 +215,8 @@ def eagle3_layer(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                  head_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, eps: float, mode: str = "none", slope: float = 0.0,
                  slopes: Optional[torch.Tensor] = None, n_ref: int = 1, topk: int = 0,
-                 contrast: float = 1.0, beta_min: float = 1.0,
-                 beta_max: float = 1.0) -> List[torch.Tensor]:
+                 contrast: float = 1.0, beta_min: float = 1.0, beta_max: float = 1.0,
+                 window: Optional[int] = None, sinks: int = 0) -> List[torch.Tensor]:
     """The EAGLE-3 drafter's decoder layer and head on `quant_pack`ed weights in one call (CPU,
     float32; the architecture of `sharpdraft.drafters.eagle3`, from the EAGLE-3 paper and its
     public code): in = [RMSNorm(embeds) ; RMSNorm(hidden)], the fused q/k/v projection of that
@@ -244,6 +244,9 @@ def eagle3_layer(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
         num_heads, num_kv_heads, head_dim, intermediate_size, eps: the layer's geometry.
         mode, slope, slopes, n_ref, topk, contrast, beta_min, beta_max: the attention's
             scaling (spec §1); slopes a per-head float32 (num_heads,) tensor or None.
+        window, sinks: a sliding window (None or >= 1): the rows attend over the first
+            `sinks` keys and the last window + rows ones only (and attn_mask's matching
+            columns), as `sharpdraft.drafters.layers.last_keys` keeps them for the modules.
 
     Returns:
         [normed (rows, hidden), x (rows, hidden)] and with a head its logits
@@ -256,7 +259,7 @@ def eagle3_layer(embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                             input_norm, hidden_norm, post_norm, final_norm, qkv, o_proj,
                             gate_up, down, head, qtypes, head_size, num_heads, num_kv_heads,
                             head_dim, intermediate_size, eps, mode, slope, slopes, n_ref, topk,
-                            contrast, beta_min, beta_max)
+                            contrast, beta_min, beta_max, window, sinks)
 
 
 def pard_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

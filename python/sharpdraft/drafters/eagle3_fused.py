@@ -12,8 +12,9 @@ and what is committed never depends on them (the target verifies every draft).
 
 `Eagle3Drafter.prepare_for_target` builds it when the engine prepares a drafter for a target that
 runs on quantised blocks; `Eagle3Drafter.draft_step` uses it for a call it covers (no autograd, a
-`PreallocatedCache`, no context window, no `attention.observe` callback, float32 CPU rows) and
-runs the modules otherwise. SHARPDRAFT_FUSED_DRAFTERS=0 turns it off (to measure against it).
+`PreallocatedCache`, no `attention.observe` callback, float32 CPU rows; the context window
+and sinks kept as the modules keep them) and runs the modules otherwise.
+SHARPDRAFT_FUSED_DRAFTERS=0 turns it off (to measure against it).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class FusedEagle3Step(fused.FusedStep):
     `problems` names a reason)."""
 
     name = "eagle3_layer"
+    windowed = True
     problems = staticmethod(problems)
 
     def __init__(self, drafter, target, head: Optional[torch.Tensor] = None):
@@ -82,6 +84,6 @@ class FusedEagle3Step(fused.FusedStep):
             sin[0].contiguous(), layer.key_buffer, layer.value_buffer, start, attn_mask,
             *self.norms, self.qkv, self.o_proj, self.gate_up, self.down, self.head.packed,
             self.qtypes, self.head.size, *self.geometry, mode=mode, slope=slope, slopes=slopes,
-            **kw)
+            window=drafter.context_window, sinks=drafter.attention_sinks, **kw)
         fused.commit_rows(layers, start + m)
         return logits[None], (normed if self.feed_normed else x)[None]

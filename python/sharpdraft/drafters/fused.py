@@ -85,12 +85,13 @@ def problems(drafter, target, head: torch.Tensor, widths: dict, inputs: dict,
     return out
 
 
-def covers(drafter, embeds: torch.Tensor, cache) -> bool:
+def covers(drafter, embeds: torch.Tensor, cache, windowed: bool = False) -> bool:
     """Whether a call with these rows and cache can run fused (else through the modules): a
-    `PreallocatedCache`, no context window, no autograd, no `attention.observe` callback, float32
-    CPU rows of one sequence, at most QUANT_MAX_ROWS of them (a long prompt's rows run faster
-    through the modules' float GEMMs)."""
-    return (isinstance(cache, PreallocatedCache) and drafter.context_window is None
+    `PreallocatedCache`, no context window (unless the op takes one, `windowed`), no autograd,
+    no `attention.observe` callback, float32 CPU rows of one sequence, at most QUANT_MAX_ROWS of
+    them (a long prompt's rows run faster through the modules' float GEMMs)."""
+    return (isinstance(cache, PreallocatedCache)
+            and (windowed or drafter.context_window is None)
             and not torch.is_grad_enabled() and not attention.observed()
             and embeds.device.type == "cpu" and embeds.dtype == torch.float32
             and embeds.shape[0] == 1 and embeds.shape[1] <= QUANT_MAX_ROWS)
@@ -167,6 +168,7 @@ class FusedStep:
 
     name = ""
     key: tuple = ()
+    windowed = False        # the op takes the drafter's context window and sinks
 
     @staticmethod
     def problems(drafter, target, head: Optional[torch.Tensor] = None) -> List[str]:
@@ -188,10 +190,9 @@ class FusedStep:
         """Whether the weights the step was made from are unchanged."""
         return self.key == weights_key(drafter, target)
 
-    @staticmethod
-    def covers(drafter, embeds: torch.Tensor, cache) -> bool:
+    def covers(self, drafter, embeds: torch.Tensor, cache) -> bool:
         """Whether a call with these rows and cache runs fused (`covers`)."""
-        return covers(drafter, embeds, cache)
+        return covers(drafter, embeds, cache, self.windowed)
 
 
 def commit_rows(layers: Iterable, end: int) -> None:
