@@ -5,7 +5,8 @@ the default GGUF target.
 For each --contexts length, the first n tokens of Genesis (held out from training) and the
 bench's summary task are decoded greedily for --new-tokens tokens, chain (draft threshold 0, so
 every step drafts its full chain or block) and, for a drafter that drafts trees, tree, with SHARPDRAFT_FUSED_DRAFTERS=0 (the
-modules: the measured linear plan, the packed draft head) and =1 (`eagle3_layer`), interleaved,
+modules: the measured linear plan, the packed draft head) and =1 (`eagle3_layer`; with
+--context-window W also fused over a W-key window, mode fused-wW), interleaved,
 --repeats times; reported as medians: drafting ms per step and per drafted token (propose +
 commit over the drafts proposed), the ratio of a drafted token to a target-only decode step
 (timed in the same rounds), tau and decode tokens per second. The target is the same in both
@@ -13,6 +14,8 @@ modes, and so is every output (greedy, lossless).
 
     python benchmarks/drafter_step_cpu.py --out benchmarks/results/drafter-step-cpu
     python benchmarks/drafter_step_cpu.py --drafter pard --out benchmarks/results/drafter-step-cpu/pard
+    python benchmarks/drafter_step_cpu.py --contexts 2048 6144 --context-window 512 \
+        --out benchmarks/results/drafter-step-cpu/window
 """
 import argparse
 import os
@@ -41,17 +44,22 @@ def main():
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context-window", type=int, default=None,
+                   help="also a fused mode with this drafter context window (mode fused-w<W>)")
     p.add_argument("--out", default="benchmarks/results/drafter-step-cpu")
     args = p.parse_args()
+    modes = dict(MODES)
+    if args.context_window:
+        modes[f"fused-w{args.context_window}"] = "1"
     torch.set_num_threads(args.threads)
     model, tok, provenance = load_target(weights="gguf")
     runtime = TargetRuntime.prepare(model)
-    drafter = load_drafter(args.drafter, runtime.model)
+    drafter = load_drafter(args.drafter, runtime.model, context_window=0)   # every key
     prompts = {n: torch.tensor([tok(kjv_passage(tok, n) + "\n\n" + KJV_TASK).input_ids])
                for n in args.contexts}
     warm = prompts[args.contexts[0]][:, :48]
     kinds = ("target", "chain", "tree") if drafter.drafts_trees else ("target", "chain")
-    for flag in MODES.values():
+    for flag in modes.values():
         os.environ["SHARPDRAFT_FUSED_DRAFTERS"] = flag
         speculative_generate(runtime, drafter, warm, 8)
         if drafter.drafts_trees:
@@ -60,7 +68,7 @@ def main():
     runs = {}
     outputs = {}
     jobs = [(r, n, kind, mode) for r in range(args.repeats) for n in args.contexts
-            for kind in kinds for mode in (MODES if kind != "target" else ["-"])]
+            for kind in kinds for mode in (modes if kind != "target" else ["-"])]
     for _, n, kind, mode in tqdm(jobs, desc="drafting cost", unit="run"):
         if kind == "target":
             res = autoregressive_generate(runtime, prompts[n], args.new_tokens)
@@ -68,7 +76,8 @@ def main():
                 {"step_ms": 1000 / res.decode_tokens_per_s})
             outputs.setdefault(n, res.tokens)
             continue
-        os.environ["SHARPDRAFT_FUSED_DRAFTERS"] = MODES[mode]
+        os.environ["SHARPDRAFT_FUSED_DRAFTERS"] = modes[mode]
+        drafter.context_window = args.context_window if mode.startswith("fused-w") else None
         run = speculative_generate if kind == "chain" else tree_speculative_generate
         kw = {"draft_threshold": 0.0} if kind == "chain" else {}
         res = run(runtime, drafter, prompts[n], args.new_tokens, **kw)
@@ -110,6 +119,7 @@ def main():
                      f"{r['token_over_step']:.3f} | {r['tau']:.2f} | "
                      f"{r['decode_tokens_per_s']:.1f} | {r['same_output']} |")
     meta = {"target": provenance, "drafter": args.drafter, "threads": args.threads,
+            "context_window": args.context_window,
             "isa": ext.cpu_isa(), "new_tokens": args.new_tokens, "repeats": args.repeats}
     write_report(args.out, "drafter_step", {"settings": meta, "rows": rows}, lines)
     print("\n".join(lines))

@@ -36,6 +36,7 @@ def variants(model, calibrated, short_window, real_extra):
     out = []
 
     def add(label, source, family, real=False, draft_threshold=0.0, **kw):
+        kw.setdefault("context_window", 0)      # every key, unless the row names a window
         d = load_drafter(source, model, **kw)
         out.append(Variant(label, d, family, real=real or label in real_extra,
                            n_ref=d.sharp.n_ref, draft_threshold=draft_threshold,

@@ -132,7 +132,8 @@ def test_tree_shape_options_replace_the_checkpoint_config(checkpoint, capsys):
     (["bench", "--slope=-inf"], "--slope"),
     (["bench", "--lengths", "1024", "0"], "--lengths"),
     (["bench", "--maths", "-1"], "--maths"),
-    (["generate", "--context-window", "0"], "--context-window"),
+    (["generate", "--context-window=-2"], "--context-window"),
+    (["generate", "--context-window", "0", "--attention-sinks", "4"], "--attention-sinks"),
     (["generate", "--drafter", "longspark", "--context-window", "64"], "--context-window"),
 ])
 def test_bad_options_are_argparse_errors_naming_the_flag(argv, flag, capsys):

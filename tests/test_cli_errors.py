@@ -235,7 +235,7 @@ PARSER_CASES = [
     (["generate", "--n-ref=-2"], ["--n-ref", ">= 1"]),
     (["generate", "--seed=-1"], ["--seed", ">= 0"]),
     (["generate", "--kjv-context=-5"], ["--kjv-context", ">= 1"]),
-    (["generate", "--context-window=-1"], ["--context-window", ">= 1"]),
+    (["generate", "--context-window=-1"], ["--context-window", ">= 0"]),
     (["generate", "--attention-sinks", "4"], ["--attention-sinks", "needs --context-window"]),
     (["bench", "--suite", "sessions", "--sessions", "novels"], ["--sessions", "invalid choice"]),
     (["generate", "--slope", "nan"], ["--slope", "finite"]),

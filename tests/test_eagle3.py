@@ -1,6 +1,8 @@
 """EAGLE-3 drafter: chain and tree decoding stay lossless, tree rows get the cardinality the spec
 gives, the training-time-test forward matches inference, and nothing depends on the training
 length."""
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -371,6 +373,31 @@ def test_save_load_round_trip(target, tmp_path):
     assert back.config == drafter.config
     for (k, a), (_, b) in zip(drafter.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_the_checkpoints_measured_context_window_is_the_default(target, tmp_path):
+    """load_drafter sets the config's context_window when the caller gives none (None), every
+    key with 0, the caller's W otherwise; the field round-trips through config.json and bad
+    values are refused before any weight is read."""
+    from sharpdraft.drafters.loading import load_drafter
+    tiny_eagle3(target, context_window=7).save(tmp_path / "w7")
+    tiny_eagle3(target).save(tmp_path / "all")
+    assert json.loads((tmp_path / "w7" / "config.json").read_text())["context_window"] == 7
+    assert load_drafter(tmp_path / "w7", target).context_window == 7
+    assert load_drafter(tmp_path / "w7", target, context_window=0).context_window is None
+    assert load_drafter(tmp_path / "w7", target, context_window=3).context_window == 3
+    assert load_drafter(tmp_path / "all", target).context_window is None
+    d = load_drafter(tmp_path / "w7", target, attention_sinks=2)       # sinks in the default
+    assert (d.context_window, d.attention_sinks) == (7, 2)
+    with pytest.raises(ValueError, match="attention_sinks"):
+        load_drafter(tmp_path / "w7", target, context_window=0, attention_sinks=2)
+    with pytest.raises(ValueError, match="attention_sinks"):
+        load_drafter(tmp_path / "all", target, attention_sinks=2)
+    with pytest.raises(ValueError, match="context_window"):
+        load_drafter(tmp_path / "all", target, context_window=-1)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="Eagle3Config.context_window"):
+            tiny_eagle3(target, context_window=bad)
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(target, tmp_path, monkeypatch):

@@ -418,6 +418,23 @@ def test_from_drafter_gives_identical_drafts(tmp_path, target, prompt, draft_voc
     assert speculative_generate(target, back, prompt[:, :10], 12).tokens == ref
 
 
+def test_the_measured_context_window_travels_in_the_public_config(tmp_path, target):
+    """An exported EAGLE-3 keeps its measured context window as sharpdraft.context_window (left
+    out when it has none), and loads back with it as the default."""
+    from_drafter(own_public_drafter(target, context_window=12), target).save(tmp_path / "w")
+    from_drafter(own_public_drafter(target), target).save(tmp_path / "all")
+    raw = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert raw["sharpdraft"]["context_window"] == 12
+    assert "context_window" not in json.loads(
+        (tmp_path / "all" / "config.json").read_text())["sharpdraft"]
+    assert load_drafter(tmp_path / "w", target).context_window == 12
+    assert load_drafter(tmp_path / "all", target).context_window is None
+    raw["sharpdraft"]["context_window"] = 0
+    (tmp_path / "w" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="sharpdraft.context_window"):
+        load_drafter(tmp_path / "w", target)
+
+
 @pytest.mark.parametrize("option", ["norm_features", "feed_normed_output"])
 def test_from_drafter_refuses_what_the_public_architecture_lacks(target, option):
     torch.manual_seed(0)

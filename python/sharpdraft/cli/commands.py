@@ -249,8 +249,9 @@ def cmd_bench(args) -> dict:
 
 
 def _bench_sessions(target, tokenizer, provenance, args) -> dict:
-    """`sharpdraft bench --suite sessions`: the drafter frozen (real, timed), with SharpDraft
-    (replayed) and, with --context-window, frozen in that window (replayed)."""
+    """`sharpdraft bench --suite sessions`: the drafter frozen over every key (real, timed),
+    with SharpDraft (replayed) and frozen in --context-window W (default: the drafter's measured
+    window, if it has one; replayed)."""
     from ..data.sessions import SESSIONS, sessions
     from ..eval.sessions import Variant, run
 
@@ -261,16 +262,17 @@ def _bench_sessions(target, tokenizer, provenance, args) -> dict:
         return build_drafter(target, tokenizer, argparse.Namespace(
             **{**vars(args), "drafter": kind, "sharp": sharp, "context_window": window,
                "attention_sinks": args.attention_sinks if window else 0}))
-    frozen = drafter(False, None)
-    sharp = drafter(True, None)
+    frozen = drafter(False, 0)
+    sharp = drafter(True, 0)
     slope = "calibrated" if sharp.sharp.layer_slopes else f"slope {sharp.sharp.slope:g}"
     variants = [Variant(f"{kind} frozen", frozen, kind, real=True, n_ref=frozen.sharp.n_ref),
                 Variant(f"{kind} {slope}", sharp, kind, n_ref=sharp.sharp.n_ref)]
-    if args.context_window:
-        w = drafter(False, args.context_window)
+    window = (frozen.default_context_window if args.context_window is None
+              else args.context_window)
+    if window:
+        w = drafter(False, window)
         sinks = f"+{args.attention_sinks}" if args.attention_sinks else ""
-        variants.append(Variant(f"{kind} window {args.context_window}{sinks}", w, kind,
-                                n_ref=w.sharp.n_ref))
+        variants.append(Variant(f"{kind} window {window}{sinks}", w, kind, n_ref=w.sharp.n_ref))
     data = run(target, tokenizer, chosen, variants, out=Path(args.out),
                max_new_tokens=args.max_new_tokens, target_name=provenance.get("source", ""))
     print((Path(args.out) / "sessions.md").read_text())

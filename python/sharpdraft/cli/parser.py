@@ -34,7 +34,7 @@ DESCRIPTION = "`sharpdraft` command line: speculative generation on a real targe
 
 # Integer flags that must be >= 1 wherever a subcommand has them (every integer flag must be
 # >= 0; these would make an empty or endless run, or a crash deep inside, when 0).
-POSITIVE = ("threads", "n_ref", "max_new_tokens", "kjv_context", "context_window", "tree_topk",
+POSITIVE = ("threads", "n_ref", "max_new_tokens", "kjv_context", "tree_topk",
             "tree_depth", "tree_tokens", "drafter_layers", "steps", "topk", "rows", "length",
             "sequences", "per_bucket", "bucket", "every", "tokens", "batch",
             "batches_per_shard", "max_seq_len", "eval_tokens", "eval_every", "blocks",
@@ -95,7 +95,8 @@ def _common(g: argparse.ArgumentParser) -> None:
                         "auto run labelled -auto; lossless either way)")
     g.add_argument("--context-window", type=int, default=None, metavar="W",
                    help="the drafter attends to the last W context positions only (DFlash, "
-                        "EAGLE-3, PARD; default: all of them)")
+                        "EAGLE-3, PARD); 0: to all of them (default: the drafter's measured "
+                        "window, 512 for the shipped EAGLE-3, else all of them)")
     g.add_argument("--attention-sinks", type=int, default=0, metavar="S",
                    help="with --context-window: the first S positions stay visible to the "
                         "drafter too (StreamingLLM's attention sinks; default: 0)")
@@ -166,8 +167,9 @@ def parser() -> argparse.ArgumentParser:
                         "of --lengths and --maths; a table by category. sessions: held-out "
                         "multi-turn sessions growing to the target's context "
                         "(sharpdraft.eval.sessions): tau by context bucket of the frozen drafter "
-                        "(timed, against target-only) and SharpDraft (--slope; replayed), with "
-                        "--context-window a windowed frozen row too; --max-new-tokens per turn")
+                        "over every key (timed, against target-only), SharpDraft (--slope; "
+                        "replayed) and, frozen in --context-window W (default: the drafter's "
+                        "measured window, if any), a windowed row; --max-new-tokens per turn")
     b.add_argument("--sessions", nargs="+", default=None, choices=SESSIONS,
                    help="with --suite sessions: only these (default: all)")
     b.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
@@ -463,15 +465,18 @@ def validate(top: argparse.ArgumentParser, args) -> None:
     for name in POSITIVE:
         positive(name)
     drafter = getattr(args, "drafter", None) if args.command != "train" else None
-    if (getattr(args, "context_window", None) is not None
-            and not registry.get(drafter).cls.supports_context_window):
+    window = getattr(args, "context_window", None)
+    if window is not None and window < 0:
+        p.error(f"--context-window must be >= 0 (0: every position), got {window}")
+    if window and not registry.get(drafter).cls.supports_context_window:
         have = [registry.get(n).title for n in registry.names()
                 if registry.get(n).cls.supports_context_window]
         p.error(f"--context-window: the {drafter} drafter has no context window option "
                 f"({' and '.join(have)} have)")
     sinks = getattr(args, "attention_sinks", 0)
-    if sinks and (sinks < 0 or getattr(args, "context_window", None) is None):
-        p.error(f"--attention-sinks: needs --context-window and must be >= 0, got {sinks}")
+    if sinks and (sinks < 0 or not window):
+        p.error(f"--attention-sinks: needs --context-window W >= 1 and must be >= 0, got "
+                f"{sinks}")
     th = getattr(args, "draft_threshold", None)
     if th is not None and not 0.0 <= th <= 1.0:
         p.error(f"--draft-threshold must lie in [0, 1], got {th}")

@@ -121,6 +121,13 @@ class Drafter(nn.Module):
         return float(getattr(getattr(self, "config", None), "draft_threshold", 0.0) or 0.0)
 
     @property
+    def default_context_window(self) -> Optional[int]:
+        """The context window `load_drafter` sets when the caller gives none: the config's
+        measured `context_window` (the shipped EAGLE-3: 512, docs/premise.md), else None (every
+        key)."""
+        return getattr(getattr(self, "config", None), "context_window", None)
+
+    @property
     def max_tree_nodes(self) -> int:
         """Nodes of the largest draft tree a session proposes (0 for a chain-only drafter)."""
         return 0

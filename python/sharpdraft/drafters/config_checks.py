@@ -73,7 +73,8 @@ def check_config(config, minimums: dict) -> None:
     Raises:
         ValueError naming the config class and field(s): a field of `minimums` ({field: least
             value}) below its minimum; draft_vocab_size neither None nor >= 2; draft_threshold
-            (where the config has one) outside [0, 1]; a Llama geometry
+            (where the config has one) outside [0, 1]; context_window (where it has one)
+            neither None nor >= 1; a Llama geometry
             no attention can have (see `check_geometry`).
     """
     name = type(config).__name__
@@ -88,6 +89,10 @@ def check_config(config, minimums: dict) -> None:
         raise ValueError(f"{name}.draft_vocab_size must be None or >= 2, got "
                          f"{config.draft_vocab_size}")
     check_draft_threshold(getattr(config, "draft_threshold", 0.0), f"{name}.draft_threshold")
+    window = getattr(config, "context_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"{name}.context_window must be None or >= 1, got {window!r}")
 
 
 def check_draft_threshold(value, where: str) -> float:

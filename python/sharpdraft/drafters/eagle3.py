@@ -53,6 +53,8 @@ class Eagle3Config:
     train_context: training context length (SharpDraft's default n_ref).
     draft_threshold: chain drafting's default draft threshold (`sharpdraft.generate`),
     measured for these weights by benchmarks/draft_threshold_cpu.py (0: every draft verified).
+    context_window: the default drafter context window (`Drafter.default_context_window`): the
+    last W keys only, measured for these weights by benchmarks/sessions_cpu.py (None: every key).
     """
 
     hidden_size: int
@@ -69,6 +71,7 @@ class Eagle3Config:
     feed_normed_output: bool = False
     chain_length: int = 5
     draft_threshold: float = 0.0
+    context_window: Optional[int] = None
     tree_topk: int = 4
     tree_depth: int = 5
     tree_tokens: int = 16

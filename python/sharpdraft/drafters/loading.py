@@ -103,8 +103,10 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
             checkpoint records, else 2048; `drafter.n_ref_source` says which, see
             `n_ref_source`).
         context_window: attend to the last W context positions only (drafters whose class has
-            `supports_context_window`).
-        attention_sinks: with context_window, the first S positions stay visible too
+            `supports_context_window`); 0: every position; None: the checkpoint's measured
+            default (`Drafter.default_context_window`: 512 for the shipped EAGLE-3, else every
+            position).
+        attention_sinks: with a context window, the first S positions stay visible too
             (StreamingLLM's attention sinks).
         overrides: {config field: value} over the checkpoint's config (e.g. `tree_options`).
         untrained: with a kind name: a seeded untrained drafter built for `target` (lossless,
@@ -142,15 +144,19 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
                                     f"{', '.join(registry.names())})")
         kind = kind or detect_kind(folder)
         drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)
-    if attention_sinks < 0 or (attention_sinks and context_window is None):
-        raise ValueError(f"attention_sinks: needs context_window and must be >= 0, got "
-                         f"{attention_sinks} (context_window {context_window})")
     if context_window is not None:
-        if not drafter.supports_context_window:
+        if not drafter.supports_context_window and context_window != 0:
             raise ValueError(f"context_window: the {kind} drafter has no context window option")
-        if context_window < 1:
-            raise ValueError(f"context_window: must be >= 1, got {context_window}")
-    drafter.context_window = context_window
+        if isinstance(context_window, bool) or not isinstance(context_window, int) or (
+                context_window < 0):
+            raise ValueError(f"context_window: must be None, 0 (every key) or >= 1, got "
+                             f"{context_window!r}")
+    window = drafter.default_context_window if context_window is None else (
+        context_window or None)
+    if attention_sinks < 0 or (attention_sinks and window is None):
+        raise ValueError(f"attention_sinks: needs a context window and must be >= 0, got "
+                         f"{attention_sinks} (context_window {context_window})")
+    drafter.context_window = window
     drafter.attention_sinks = attention_sinks
     drafter.sharp = sharp if isinstance(sharp, SharpConfig) else sharp_config(
         drafter, bool(sharp), slope, n_ref)

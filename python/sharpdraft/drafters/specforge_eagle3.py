@@ -226,7 +226,7 @@ def from_drafter(drafter: Eagle3Drafter, target) -> SpecForgeEagle3Drafter:
         target_layer_ids=sorted(ids), train_context=c.train_context,
         records_train_context=True, sharp_slopes=c.sharp_slopes,
         draft_threshold=c.draft_threshold, draft_vocab_size=c.draft_vocab_size,
-        chain_length=c.chain_length,
+        chain_length=c.chain_length, context_window=c.context_window,
         tree_topk=c.tree_topk, tree_depth=c.tree_depth, tree_tokens=c.tree_tokens,
         rms_norm_eps=c.rms_norm_eps, hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings,

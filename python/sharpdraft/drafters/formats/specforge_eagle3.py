@@ -59,7 +59,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"           # what `save` writes (SpecForg
 ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM")
 SAFEAILAB_ARCHITECTURE = "LlamaForCausalLM"       # accepted with a draft_vocab_size key only
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
-DRAFTING_OPTIONS = ("chain_length", "tree_topk", "tree_depth", "tree_tokens")
+DRAFTING_OPTIONS = ("chain_length", "tree_topk", "tree_depth", "tree_tokens", "context_window")
 # (prefix of our state_dict names, the public one)
 _RENAMES = tuple((p, "midlayer." + p) for p in ("input_layernorm.", "hidden_norm.",
                                                  "post_attention_layernorm.", "self_attn.",
@@ -298,7 +298,7 @@ class SpecForgeEagle3Config(Eagle3Config):
                              f"level)")
         layer_ids = [a - 1 for a in top] if top is not None else nested
 
-        extras = read_options(raw, where, DRAFTING_OPTIONS)
+        extras = read_options(raw, where, DRAFTING_OPTIONS, nullable=("context_window",))
         ext = read_extensions(raw, where)
         train = ext["train_context"]
         return cls(hidden_size=hidden, intermediate_size=get_int("intermediate_size"),
@@ -352,7 +352,8 @@ class SpecForgeEagle3Config(Eagle3Config):
         if self.norm_features:
             out["fc_norm"] = True
         write_extensions(out, self)
-        out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS}
+        out[EXTRAS_KEY] = {k: getattr(self, k) for k in DRAFTING_OPTIONS
+                           if getattr(self, k) is not None}
         return out
 
 
