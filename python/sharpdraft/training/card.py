@@ -21,7 +21,7 @@ from typing import Optional
 CONFIG_FIELDS = ("num_layers", "num_hidden_layers", "hidden_size", "intermediate_size",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "target_layer_ids",
                  "block_size", "num_draft_tokens", "chain_length", "draft_threshold",
-                 "tree_topk", "tree_depth", "tree_tokens", "draft_vocab_size", "train_context")
+                 "context_window", "tree_topk", "tree_depth", "tree_tokens", "draft_vocab_size", "train_context")
 
 
 def _read_json(path: Path) -> dict:
