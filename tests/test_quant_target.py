@@ -62,13 +62,20 @@ def _prompt(tokenizer, task: int = 1):
     return torch.tensor([render(tokenizer, [{"role": "user", "content": user_tasks()[task].user}])])
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16"])
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_speculative_decoding_on_the_blocks_is_lossless(models, kind):
+def test_speculative_decoding_on_the_blocks_is_lossless(models, kind, kv, monkeypatch):
+    """Over a float32 and a float16 KV cache (`RuntimePlan.kv_dtype`)."""
+    from sharpdraft.target.runtime import TargetRuntime
+
     _, quant, tokenizer, _ = models
+    monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", kv)
+    runtime = TargetRuntime.prepare(quant)
+    assert runtime.info["kv_dtype"] == kv
     ids = _prompt(tokenizer)
-    base = autoregressive_generate(quant, ids, 40)
+    base = autoregressive_generate(runtime, ids, 40)
     drafter = load_drafter(kind, quant)
-    spec = speculative_generate(quant, drafter, ids, 40)
+    spec = speculative_generate(runtime, drafter, ids, 40)
     assert spec.tokens == base.tokens
     assert spec.tau > 1.0                    # it drafted and was accepted at least once
 
@@ -130,17 +137,21 @@ def test_bad_weights_argument_is_named():
         load_target(weights="q5_k")
 
 
-def test_fused_layers_equal_the_modules_and_compute_each_row_alone(models, monkeypatch):
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_fused_layers_equal_the_modules_and_compute_each_row_alone(models, monkeypatch, kv):
     """The one-call decoder (`fused`, taken by every step-sized forward of this model) against
     the same model through its Hugging Face modules (SHARPDRAFT_FUSED_LAYERS=0): the same
     logits and hidden states up to float32 rounding; and a verification's first row is the
-    same bits as a decode step of that token alone (what losslessness needs)."""
+    same bits as a decode step of that token alone (what losslessness needs); over a float32
+    and a float16 KV cache."""
     from sharpdraft.target.runtime import TargetRuntime
 
+    monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", kv)
     quant, tokenizer = models[1], models[2]
     ids = _prompt(tokenizer, 2)[:, :400]
     fused = TargetRuntime.prepare(quant, hidden_layers=[0, 7, 30])
     assert fused.fused is not None and fused.info["fused_layers"]
+    assert fused.info["kv_dtype"] == kv
     monkeypatch.setenv("SHARPDRAFT_FUSED_LAYERS", "0")
     plain = TargetRuntime.prepare(quant, hidden_layers=[0, 7, 30])
     assert plain.fused is None and not plain.info["fused_layers"]

@@ -208,7 +208,7 @@ def test_prepare_and_generate_leave_the_model_as_it_was(family):
     assert [id(b) for b in twin.buffers()] == [id(b) for b in target.buffers()]
     assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == \
         (target.lm_head.weight is target.model.embed_tokens.weight)
-    assert list(runtime.info) == ["linear_plan", "packed_linears", "fused_layers"]
+    assert list(runtime.info) == ["linear_plan", "packed_linears", "fused_layers", "kv_dtype"]
 
 
 def test_engine_keeps_a_runtime_per_model_and_lets_it_go_with_the_model():

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <tuple>
+#include <type_traits>
 
 #include "cpu_runtime/api.h"
 #include "cpu_runtime/quant_linear.h"
@@ -99,9 +100,12 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, cons
   TORCH_CHECK_VALUE(kc.dim() == 4 && kc.size(0) == batch && kc.size(1) == g.num_kv_heads &&
                         kc.size(3) == g.head_dim && kc.size(2) >= end && kc.is_contiguous() &&
                         vc.sizes() == kc.sizes() && vc.is_contiguous() &&
-                        kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                    "key_cache / value_cache [", layer, "] must be contiguous float32 (", batch,
-                    ", ", g.num_kv_heads, ", capacity >= ", end, ", ", g.head_dim, ")");
+                        (kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kHalf ||
+                         kc.scalar_type() == at::kBFloat16) &&
+                        vc.scalar_type() == kc.scalar_type(),
+                    "key_cache / value_cache [", layer, "] must be contiguous float32, float16 or "
+                    "bfloat16, both the same (", batch, ", ", g.num_kv_heads, ", capacity >= ", end,
+                    ", ", g.head_dim, ")");
 }
 
 __attribute__((optimize("fp-contract=off")))  // a * c - b * s rounded as the modules round it
@@ -190,20 +194,48 @@ void check_rotary(const at::Tensor& cos, const at::Tensor& sin, int64_t m, int64
                     "cos and sin must be contiguous float32 (rows, head_dim)");
 }
 
-void write_cache(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
-                 const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows) {
+namespace {
+
+// D values from float32 into a cache row of T (float: copied; float16 / bfloat16: rounded to
+// nearest even, as torch's .to() rounds them)
+template <typename T>
+void store_row(T* dst, const float* src, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, D * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
+
+template <typename T>
+void write_rows(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
+                const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows) {
   const int64_t Hk = g.num_kv_heads, D = g.head_dim, cap = key_cache.size(2);
-  float* kbuf = key_cache.data_ptr<float>();
-  float* vbuf = value_cache.data_ptr<float>();
+  T* kbuf = key_cache.data_ptr<T>();
+  T* vbuf = value_cache.data_ptr<T>();
   const bool batched = rows.seq_starts != nullptr;
   for (int64_t r = 0; r < m; ++r) {
     // (batch, position) of row r's key / value
     const int64_t b = batched ? r : 0, pos = batched ? rows.seq_starts[r] : rows.start + r;
     for (int64_t h = 0; h < Hk; ++h) {
       const int64_t at_row = ((b * Hk + h) * cap + pos) * D;
-      std::memcpy(kbuf + at_row, k + r * row_stride + h * D, D * sizeof(float));
-      std::memcpy(vbuf + at_row, v + r * row_stride + h * D, D * sizeof(float));
+      store_row(kbuf + at_row, k + r * row_stride + h * D, D);
+      store_row(vbuf + at_row, v + r * row_stride + h * D, D);
     }
+  }
+}
+
+}  // namespace
+
+void write_cache(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows) {
+  switch (key_cache.scalar_type()) {
+    case at::kHalf:
+      return write_rows<at::Half>(k, v, m, row_stride, g, key_cache, value_cache, rows);
+    case at::kBFloat16:
+      return write_rows<at::BFloat16>(k, v, m, row_stride, g, key_cache, value_cache, rows);
+    default:
+      return write_rows<float>(k, v, m, row_stride, g, key_cache, value_cache, rows);
   }
 }
 
@@ -226,7 +258,10 @@ void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, c
   // views of the q rows, (1, Hq, m, D) or batched (m, Hq, 1, D), and of the caches' first
   // `end` keys / values (batched: the first seq_starts[r] + 1 of batch r count, via kv_lens)
   const at::Tensor qrows = ws.qkv_out.narrow(1, 0, nq).view({m, Hq, D});
-  const at::Tensor qv = batched ? qrows.unsqueeze(2) : qrows.permute({1, 0, 2}).unsqueeze(0);
+  // a 16-bit cache: the queries in its dtype too (the kernel takes one dtype), as llama.cpp
+  // converts them for its float16 cache; the output comes back to float32 in the copy below
+  const at::Tensor q32 = batched ? qrows.unsqueeze(2) : qrows.permute({1, 0, 2}).unsqueeze(0);
+  const at::Tensor qv = key_cache.scalar_type() == at::kFloat ? q32 : q32.to(key_cache.scalar_type());
   const at::Tensor kv = key_cache.narrow(2, 0, rows.end), vv = value_cache.narrow(2, 0, rows.end);
   const at::Tensor o = rows.window >= 0 && !batched && rows.end > rows.sinks + rows.window + m
                            ? windowed_attention(qv, kv, vv, rows, m, scaling)

@@ -112,7 +112,8 @@ void linear(const float* x, int64_t m, int64_t k, const at::Tensor& packed, int6
 void check_packed(const at::Tensor& p, int64_t qtype, int64_t n, int64_t k, const char* what,
                   int64_t layer);
 
-// Checks a layer's KV cache pair: contiguous float32 (batch, num_kv_heads, >= end, head_dim).
+// Checks a layer's KV cache pair: contiguous (batch, num_kv_heads, >= end, head_dim), float32,
+// float16 or bfloat16, both the same dtype.
 void check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t batch, const Geometry& g,
                  int64_t end, int64_t layer);
 
@@ -127,7 +128,8 @@ void rotary(float* x, int64_t m, int64_t heads, int64_t d, int64_t row_stride, c
             const float* sin);
 
 // Rows' keys and values (m rows of num_kv_heads * head_dim floats at k and v, row stride
-// `row_stride` floats) into the caches at the rows' positions (`rows`).
+// `row_stride` floats) into the caches at the rows' positions (`rows`), rounded to nearest even
+// into a 16-bit cache.
 void write_cache(const float* k, const float* v, int64_t m, int64_t row_stride, const Geometry& g,
                  const at::Tensor& key_cache, const at::Tensor& value_cache, const Rows& rows);
 

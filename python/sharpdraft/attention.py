@@ -115,12 +115,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sharp: SharpConfig
     runs bfloat16 and float16 only.
 
     layer: the drafter layer index (selects its calibrated slope); module: the calling
-    attention module (what `observe` callbacks see, to tell layers and models apart)."""
+    attention module (what `observe` callbacks see, to tell layers and models apart). Keys and
+    values of another dtype than q (a 16-bit KV cache) take q in their dtype; the output comes
+    back in q's (as the fused decoder does it)."""
     skw = sharp.kernel_kwargs(layer)
     for callback in _OBSERVERS:
         callback(module, layer, q, k, kwargs, skw)
     if (torch.is_grad_enabled() and q.requires_grad) or (q.is_cuda and q.dtype == torch.float32):
         return ext.reference.sharp_attention_ref(q, k, v, upcast=False, **kwargs, **skw)
+    if k.dtype != q.dtype:          # a 16-bit KV cache: the queries in its dtype, the out back
+        out = ext.sharp_attention(q.to(k.dtype), k, v, **kwargs, **skw)
+        return (out[0].to(q.dtype), out[1]) if isinstance(out, tuple) else out.to(q.dtype)
     return ext.sharp_attention(q, k, v, **kwargs, **skw)
 
 

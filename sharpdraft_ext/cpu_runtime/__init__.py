@@ -181,7 +181,9 @@ def llama_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     Args:
         x: (rows, hidden) float32; cos, sin: (rows, head_dim) float32 rotary tables.
         key_cache, value_cache: per layer (batch, num_kv_heads, capacity, head_dim) float32,
-            written in place; batch 1, or one per row with `seq_starts`.
+            float16 or bfloat16 (a 16-bit cache: keys and values rounded to nearest even, the
+            queries converted to its dtype for the attention), written in place; batch 1, or one
+            per row with `seq_starts`.
         start: the position of row 0 (the rows are one sequence's, written from `start`).
         attn_mask: bool, broadcastable to (1, num_heads, rows, start + rows), or None (causal).
         input_norm, post_norm: per layer RMSNorm weights (hidden,).

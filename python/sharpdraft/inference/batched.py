@@ -22,6 +22,7 @@ import torch
 from sharpdraft_ext import cpu_runtime
 
 from ..target.kv_cache import CACHE_KWARG, PreallocatedCache
+from ..target.plan import KV_DTYPES
 from ..target.quantized import QUANT_MAX_ROWS
 from ..target.runtime import TargetRuntime
 from .engine import gc_paused, runtime_session
@@ -146,8 +147,9 @@ def _unpadded(runtime: TargetRuntime, prompts: Sequence[Sequence[int]], max_new_
     decoder = model.get_decoder()
     capacity = max(len(p) for p in prompts) + max_new_tokens
     shape = (len(prompts), f.num_kv_heads, capacity, f.head_dim)
-    keys = [torch.empty(shape) for _ in range(runtime.num_layers)]   # rows past a length: unread
-    values = [torch.empty(shape) for _ in range(runtime.num_layers)]
+    kv = KV_DTYPES.get(runtime.plan.kv_dtype, torch.float32)           # the runtime's cache dtype
+    keys = [torch.empty(shape, dtype=kv) for _ in range(runtime.num_layers)]   # rows past a
+    values = [torch.empty(shape, dtype=kv) for _ in range(runtime.num_layers)]  # length: unread
     rows = []
     for b, p in enumerate(prompts):           # prefill: each prompt alone, no padding
         runtime.start(len(p))

@@ -23,7 +23,8 @@ CACHE_KWARG = _cache_kwarg()
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One layer's keys and values in buffers of `capacity` rows, (B, Hk, capacity, D).
+    """One layer's keys and values in buffers of `capacity` rows, (B, Hk, capacity, D), in
+    `dtype` (None: the first keys' dtype; a 16-bit dtype stores rounded keys and values).
 
     `keys` / `values` are views of the first `length` rows (strided: the kernel reads any
     strides with a unit last stride).
@@ -33,17 +34,20 @@ class PreallocatedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.capacity = int(capacity)
+        self.dtype = dtype
         self.length = 0
         self.key_buffer: Optional[torch.Tensor] = None
         self.value_buffer: Optional[torch.Tensor] = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        self.key_buffer = key_states.new_empty((b, h, self.capacity, d))
-        self.value_buffer = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+        dtype = self.dtype or key_states.dtype
+        self.key_buffer = key_states.new_empty((b, h, self.capacity, d), dtype=dtype)
+        self.value_buffer = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]),
+                                                   dtype=dtype)
         self.device = key_states.device
         self.is_initialized = True
         self._views()
@@ -112,11 +116,13 @@ class PreallocatedLayer(CacheLayerMixin):
 
 
 class PreallocatedCache(Cache):
-    """A transformers Cache of `PreallocatedLayer`s (one per decoder layer)."""
+    """A transformers Cache of `PreallocatedLayer`s (one per decoder layer), keys and values in
+    `dtype` (None: the model's)."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, dtype: Optional[torch.dtype] = None):
+        super().__init__(layers=[PreallocatedLayer(capacity, dtype) for _ in range(num_layers)])
         self.capacity = int(capacity)
+        self.dtype = dtype
 
     def crop_to(self, length: int) -> None:
         """Drop every row past the first `length`."""

@@ -12,8 +12,8 @@ call (`fused`). `TargetRuntime.prepare` takes one of:
   `RuntimePlan.load`.
 - a `RuntimePlan`.
 
-A plan file is JSON: {"version": 1, "fused": true, "linears": {"576x576 float32": ["panel",
-"panel", "panel"], ...}}: one path of `LINEAR_PATHS` per `ROW_REGIMES` entry for each
+A plan file is JSON: {"version": 1, "fused": true, "kv_dtype": "float16", "linears": {"576x576
+float32": ["panel", "panel", "panel"], ...}} (kv_dtype optional, null: the model's dtype): one path of `LINEAR_PATHS` per `ROW_REGIMES` entry for each
 "<out_features>x<in_features> <dtype>" shape (the keys of `TargetRuntime.info["linear_plan"]`).
 A shape the plan does not name runs F.linear; an entry no linear of the model has is unused.
 
@@ -33,10 +33,13 @@ import sharpdraft_ext as ext
 import torch
 from torch import nn
 
+from .. import settings
 from .linears import LINEAR_PATHS, ROW_REGIMES, _packable, linear_paths, paths_for, plan_linears
 
 PLAN_VERSION = 1
 PLAN_FIELDS = ("version", "fused", "linears")
+OPTIONAL_FIELDS = ("kv_dtype",)             # absent in older plan files: the model's dtype
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Shape = Tuple[int, int, torch.dtype]            # (out_features, in_features, weight dtype)
 
 # A weight this large (4M elements, 16 MB of float32) is an LM head, not a decoder projection:
@@ -79,6 +82,10 @@ class RuntimePlan:
             returns it; a shape left out runs F.linear.
         fused: take the one-call `llama_layers` decoder for step-sized forwards where the model
             qualifies (`fused.fused_layers`; SHARPDRAFT_FUSED_LAYERS=0 still turns it off).
+        kv_dtype: the KV cache's dtype, one of `KV_DTYPES` ("float32", "float16", "bfloat16"),
+            or None (the model's own, as its modules write the keys); a 16-bit cache under a
+            float32 model rounds every key and value and runs the attention in its dtype, the
+            same for every row (a row decoded alone and verified keeps its bits).
         source: where the plan came from ("auto", "measure", "given" or the file it was loaded
             from); not saved, not compared.
 
@@ -90,10 +97,14 @@ class RuntimePlan:
     linears: Mapping[Shape, Tuple[str, ...]] = field(default_factory=dict)
     fused: bool = True
     source: str = field(default="given", compare=False)
+    kv_dtype: Optional[str] = None
 
     def __post_init__(self):
         if not isinstance(self.fused, bool):
             raise ValueError(f"RuntimePlan.fused: want True or False, got {self.fused!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"RuntimePlan.kv_dtype: want None or one of {', '.join(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
         linears = {}
         for shape, choice in dict(self.linears).items():
             if (not isinstance(shape, tuple) or len(shape) != 3
@@ -110,7 +121,8 @@ class RuntimePlan:
         return {shape_key(s): list(p) for s, p in self.linears.items()}
 
     def to_json(self) -> dict:
-        return {"version": PLAN_VERSION, "fused": self.fused, "linears": self.info()}
+        return {"version": PLAN_VERSION, "fused": self.fused, "kv_dtype": self.kv_dtype,
+                "linears": self.info()}
 
     @classmethod
     def from_json(cls, data, where: str = "plan", source: str = "given") -> "RuntimePlan":
@@ -124,11 +136,11 @@ class RuntimePlan:
         if not isinstance(data, dict):
             raise ValueError(f"{where}: want a JSON object with fields {', '.join(PLAN_FIELDS)}, "
                              f"got {type(data).__name__}")
-        unknown = sorted(set(data) - set(PLAN_FIELDS))
+        unknown = sorted(set(data) - set(PLAN_FIELDS) - set(OPTIONAL_FIELDS))
         missing = [f for f in PLAN_FIELDS if f not in data]
         if unknown:
             raise ValueError(f"{where}: unknown field {unknown[0]!r} (a plan has "
-                             f"{', '.join(PLAN_FIELDS)})")
+                             f"{', '.join(PLAN_FIELDS + OPTIONAL_FIELDS)})")
         if missing:
             raise ValueError(f"{where}: missing field {missing[0]!r}")
         if data["version"] != PLAN_VERSION or isinstance(data["version"], bool):
@@ -139,11 +151,15 @@ class RuntimePlan:
         if not isinstance(data["linears"], dict):
             raise ValueError(f"{where}: field 'linears': want an object of shape: paths, got "
                              f"{type(data['linears']).__name__}")
+        kv = data.get("kv_dtype")
+        if kv is not None and kv not in KV_DTYPES:
+            raise ValueError(f"{where}: field 'kv_dtype': want null or one of "
+                             f"{', '.join(KV_DTYPES)}, got {kv!r}")
         linears = {}
         for key, choice in data["linears"].items():
             shape = _parse_key(key, f"{where}: field 'linears'")
             linears[shape] = _check_paths(choice, f"{where}: field 'linears' {key!r}")
-        return cls(linears, data["fused"], source)
+        return cls(linears, data["fused"], source, kv)
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the plan as JSON to `path` (its folder created), atomically: to a temporary
@@ -243,11 +259,34 @@ def auto_path(out_features: int, in_features: int, dtype: torch.dtype, regime: i
     return "dense" if "dense" in allowed else next(p for p in LINEAR_PATHS if p in allowed)
 
 
+def auto_kv_dtype(model: nn.Module, *, isa: str) -> Optional[str]:
+    """The KV cache dtype `auto_plan` gives `model` on a CPU whose kernels dispatch to `isa`,
+    SHARPDRAFT_KV_DTYPE where set. A pure function of the setting, the ISA and the model.
+
+    The rule: "float16" for a float32 CPU model on quantised blocks (`QuantLinear`s: the GGUF
+    runtime) on AVX-512 (the kernel reads 16-bit keys and values a block at a time: one decode
+    row's attention over the default target's 30 layers at 4k keys 18.5 -> 12.6 ms,
+    benchmarks/results/kv-dtype-cpu on a Xeon; end to end in docs/runtime.md), else None: the
+    model's own dtype (AVX2 and the scalar kernel: not measured; a dense model keeps what its
+    modules compute, a model in another dtype or on a GPU its own).
+    """
+    from .quantized import QuantLinear
+
+    chosen = settings.get("SHARPDRAFT_KV_DTYPE")
+    if chosen != "auto":
+        return chosen
+    weight = next(model.parameters(), None)
+    cpu32 = weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    quantised = any(isinstance(m, QuantLinear) for m in model.modules())
+    return "float16" if cpu32 and quantised and isa == "avx512" else None
+
+
 def auto_plan(model: nn.Module, paths: Optional[Sequence[str]] = None, *,
               isa: Optional[str] = None) -> RuntimePlan:
     """The "auto" plan of `model`: `auto_path` for every distinct (out, in, dtype) of its CPU
-    `nn.Linear`s (a shape that can take only F.linear is left out, as `plan_linears` leaves it)
-    and `fused=True`. Reads the model's shapes and the CPU's features only: no timing.
+    `nn.Linear`s (a shape that can take only F.linear is left out, as `plan_linears` leaves it),
+    `fused=True` and `auto_kv_dtype`. Reads the model's shapes and the CPU's features only: no
+    timing.
 
     Args:
         paths: the paths to choose from (default `linear_paths()`, SHARPDRAFT_LINEAR_PATHS).
@@ -269,13 +308,14 @@ def auto_plan(model: nn.Module, paths: Optional[Sequence[str]] = None, *,
             continue
         plan[key] = tuple(auto_path(*key, regime, isa=isa, onednn=_packable(mod.weight),
                                     paths=able) for regime in range(len(ROW_REGIMES)))
-    return RuntimePlan(plan, True, "auto")
+    return RuntimePlan(plan, True, "auto", auto_kv_dtype(model, isa=isa))
 
 
 def measured_plan(model: nn.Module, paths: Optional[Sequence[str]] = None) -> RuntimePlan:
     """The "measure" plan: every shape timed on this machine (`linears.plan_linears`; remembered
     per shape for the rest of the process) and `fused=True`."""
-    return RuntimePlan(plan_linears(model, paths=paths), True, "measure")
+    return RuntimePlan(plan_linears(model, paths=paths), True, "measure",
+                       auto_kv_dtype(model, isa=ext.cpu_isa()))
 
 
 PlanSpec = Union[str, Path, RuntimePlan]
@@ -295,12 +335,14 @@ def resolve_plan(plan: PlanSpec, model: nn.Module, *, measure: bool = True) -> R
     if plan == "auto":
         return auto_plan(model)
     if plan == "measure":
-        return measured_plan(model) if measure else RuntimePlan({}, True, "measure")
+        return measured_plan(model) if measure else RuntimePlan(
+            {}, True, "measure", auto_kv_dtype(model, isa=ext.cpu_isa()))
     if isinstance(plan, (str, Path)):
         return RuntimePlan.load(plan)
     raise TypeError(f"plan: want 'auto', 'measure', a plan file's path or a RuntimePlan, got "
                     f"{type(plan).__name__}")
 
 
-__all__ = ["LARGE_WEIGHT", "PLAN_VERSION", "RuntimePlan", "auto_path", "auto_plan",
+__all__ = ["KV_DTYPES", "LARGE_WEIGHT", "PLAN_VERSION", "RuntimePlan", "auto_kv_dtype",
+           "auto_path", "auto_plan",
            "measured_plan", "resolve_plan", "shape_key"]

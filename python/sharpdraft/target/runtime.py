@@ -48,7 +48,7 @@ from .kv_cache import CACHE_KWARG, PreallocatedCache
 from .fused import FusedLayers, fused_layers
 from .linears import QUANT_PATH, linear_paths, pack_linears, plan_linears
 from .logits import RowLogits
-from .plan import PlanSpec, RuntimePlan, resolve_plan
+from .plan import KV_DTYPES, PlanSpec, RuntimePlan, resolve_plan
 from .quantized import QUANT_MAX_ROWS
 
 
@@ -221,7 +221,7 @@ class TargetRuntime:
         self._hidden = list(hidden_state_modules(model, hidden_layers))    # checked first
         plan = resolve_plan(plan, model, measure=pack)                     # a bad file too
         if not pack:
-            plan = RuntimePlan({}, plan.fused, plan.source)
+            plan = RuntimePlan({}, plan.fused, plan.source, plan.kv_dtype)
         twin = shared_copy(model)
         register()
         if twin.config._attn_implementation != "sharp":
@@ -274,7 +274,7 @@ class TargetRuntime:
     @property
     def info(self) -> dict:
         return {"linear_plan": self.plan.info(), "packed_linears": self._packed,
-                "fused_layers": self.fused is not None}
+                "fused_layers": self.fused is not None, "kv_dtype": self.plan.kv_dtype}
 
     @property
     def length(self) -> int:
@@ -306,7 +306,8 @@ class TargetRuntime:
                 raise RuntimeError(BUSY)
             self._owner = me
         self.hidden_layers = hidden
-        self.cache = PreallocatedCache(self.num_layers, capacity)
+        kv = self.plan.kv_dtype
+        self.cache = PreallocatedCache(self.num_layers, capacity, kv and KV_DTYPES[kv])
 
     def finish(self) -> None:
         """End the session: drop the cache and free the runtime for any thread. Does nothing
