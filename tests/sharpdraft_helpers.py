@@ -113,3 +113,15 @@ def q8_modules(drafter, target):
     w = drafter.draft_head_weight(target).float()
     packed = pack_weight(w, QUANT_PATH)
     return ref, lambda h: cpu_runtime.quant_linear(h.contiguous(), packed, "q8_0", w.shape[0])
+
+
+def assert_greedy_lossless(target, drafter, tree: bool, lengths=(7, 13), new_tokens: int = 24):
+    """Greedy chain (or tree) speculative decoding of random prompts of `lengths` tokens (a
+    seed each) gives target-only decoding's tokens on `target` (a model or a runtime)."""
+    from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
+                                             tree_speculative_generate)
+    run = tree_speculative_generate if tree else speculative_generate
+    for seed, n in enumerate(lengths):
+        prompt = torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+        want = autoregressive_generate(target, prompt, new_tokens).tokens
+        assert run(target, drafter, prompt, new_tokens).tokens == want, (seed, n)

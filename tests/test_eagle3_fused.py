@@ -10,11 +10,9 @@ from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
 from sharpdraft.drafters import eagle3_fused
 from sharpdraft.drafters.eagle3_fused import FusedEagle3Step
-from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
-                                         tree_speculative_generate)
 from sharpdraft.target.kv_cache import PreallocatedCache
 from sharpdraft_ext import cpu_runtime
-from sharpdraft_helpers import q8_modules, tiny_eagle3, tiny_target
+from sharpdraft_helpers import assert_greedy_lossless, q8_modules, tiny_eagle3, tiny_target
 
 SCALINGS = {
     "none": SharpConfig(mode="none"),
@@ -199,12 +197,7 @@ def test_decoding_through_the_fused_step_is_lossless(target, tree, window, monke
     real = FusedEagle3Step.__call__
     monkeypatch.setattr(FusedEagle3Step, "__call__",
                         lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    run = tree_speculative_generate if tree else speculative_generate
-    for seed in range(2):
-        prompt = torch.randint(3, 256, (1, 7 + 6 * seed),
-                               generator=torch.Generator().manual_seed(seed))
-        want = autoregressive_generate(target, prompt, 24).tokens
-        assert run(target, drafter, prompt, 24).tokens == want
+    assert_greedy_lossless(target, drafter, tree)
     assert calls                                          # drafting went through the op
 
 

@@ -15,12 +15,10 @@ from gguf.quants import quantize
 import sharpdraft_ext as ext
 from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
-from sharpdraft.inference.engine import (autoregressive_generate, speculative_generate,
-                                         tree_speculative_generate)
 from sharpdraft.target.plan import RuntimePlan, auto_kv_dtype, auto_plan
 from sharpdraft.target.quantized import QuantLinear
 from sharpdraft.target.runtime import TargetRuntime
-from sharpdraft_helpers import tiny_eagle3, tiny_target
+from sharpdraft_helpers import assert_greedy_lossless, tiny_eagle3, tiny_target
 
 HALF = ("float16", "bfloat16")
 
@@ -53,9 +51,9 @@ def runtime(model, kv, hidden=()):
 def test_the_plan_carries_the_kv_dtype_and_its_rule(targets, tmp_path, monkeypatch):
     dense, quant = targets
     monkeypatch.delenv("SHARPDRAFT_KV_DTYPE", raising=False)
-    assert auto_kv_dtype(quant, isa="avx512") == "float16"       # measured: the GGUF runtime
-    assert auto_kv_dtype(quant, isa="avx2") is None               # not measured: the model's
-    assert auto_kv_dtype(dense, isa="avx512") is None             # a dense model: its own
+    for model in (quant, dense):                   # the rule: the model's dtype everywhere
+        for isa in ("avx512", "avx2", "base"):
+            assert auto_kv_dtype(model, isa=isa) is None
     monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", "bfloat16")
     assert auto_kv_dtype(dense, isa="base") == "bfloat16"
     monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", "int8")
@@ -118,13 +116,7 @@ def test_a_16_bit_cache_holds_the_keys_rounded_and_rows_keep_their_bits(targets,
 def test_speculative_decoding_over_a_16_bit_cache_is_lossless(targets, kv, tree):
     model = targets[1]
     drafter = tiny_eagle3(model, seed=3)
-    rt = runtime(model, kv)
-    run = tree_speculative_generate if tree else speculative_generate
-    for seed in range(2):
-        prompt = torch.randint(3, 256, (1, 9 + 5 * seed),
-                               generator=torch.Generator().manual_seed(seed))
-        want = autoregressive_generate(rt, prompt, 24).tokens
-        assert run(rt, drafter, prompt, 24).tokens == want
+    assert_greedy_lossless(runtime(model, kv), drafter, tree, lengths=(9, 14))
 
 
 def test_attention_takes_queries_into_the_caches_dtype():

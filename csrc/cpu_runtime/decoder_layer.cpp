@@ -261,7 +261,8 @@ void run_layer(at::Tensor& x, const at::Tensor& normed, const LayerWeights& w, c
   // a 16-bit cache: the queries in its dtype too (the kernel takes one dtype), as llama.cpp
   // converts them for its float16 cache; the output comes back to float32 in the copy below
   const at::Tensor q32 = batched ? qrows.unsqueeze(2) : qrows.permute({1, 0, 2}).unsqueeze(0);
-  const at::Tensor qv = key_cache.scalar_type() == at::kFloat ? q32 : q32.to(key_cache.scalar_type());
+  const at::ScalarType kv_type = key_cache.scalar_type();
+  const at::Tensor qv = kv_type == at::kFloat ? q32 : q32.to(kv_type);
   const at::Tensor kv = key_cache.narrow(2, 0, rows.end), vv = value_cache.narrow(2, 0, rows.end);
   const at::Tensor o = rows.window >= 0 && !batched && rows.end > rows.sinks + rows.window + m
                            ? windowed_attention(qv, kv, vv, rows, m, scaling)

@@ -103,9 +103,9 @@ VARIABLES: Dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("SHARPDRAFT_KV_DTYPE", _choice("auto", "float32", "float16", "bfloat16"), "auto",
            "python",
            "The target runtime's KV cache dtype under the auto and measure plans: auto (the "
-           "documented rule, `target.plan.auto_kv_dtype`: float16 for a model on quantised "
-           "blocks on AVX-512, else the model's dtype), or one of float32, float16, "
-           "bfloat16."),
+           "documented rule, `target.plan.auto_kv_dtype`: the model's dtype), or one of "
+           "float32, float16, bfloat16 (16-bit: faster at long contexts on AVX-512, slightly "
+           "higher perplexity; docs/runtime.md)."),
     EnvVar("SHARPDRAFT_FUSED_LAYERS", _flag, True, "python",
            "0 turns off the one-call decoder (`llama_layers`) of a quantised Llama-style target, "
            "to measure against it."),

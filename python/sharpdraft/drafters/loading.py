@@ -145,12 +145,12 @@ def load_drafter(source: Union[str, Path], target, *, kind: Optional[str] = None
         kind = kind or detect_kind(folder)
         drafter = registry.get(kind).cls.load(folder, target=target, overrides=overrides)
     if context_window is not None:
-        if not drafter.supports_context_window and context_window != 0:
-            raise ValueError(f"context_window: the {kind} drafter has no context window option")
         if isinstance(context_window, bool) or not isinstance(context_window, int) or (
                 context_window < 0):
             raise ValueError(f"context_window: must be None, 0 (every key) or >= 1, got "
                              f"{context_window!r}")
+        if context_window and not drafter.supports_context_window:
+            raise ValueError(f"context_window: the {kind} drafter has no context window option")
     window = drafter.default_context_window if context_window is None else (
         context_window or None)
     if attention_sinks < 0 or (attention_sinks and window is None):

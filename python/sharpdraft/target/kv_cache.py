@@ -48,7 +48,7 @@ class PreallocatedLayer(CacheLayerMixin):
         self.key_buffer = key_states.new_empty((b, h, self.capacity, d), dtype=dtype)
         self.value_buffer = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]),
                                                    dtype=dtype)
-        self.device = key_states.device
+        self.device, self.dtype = key_states.device, dtype
         self.is_initialized = True
         self._views()
 
