@@ -12,6 +12,12 @@ one runtime per KV dtype (`RuntimePlan.kv_dtype`), interleaved --reps times, dec
     python benchmarks/kv_dtype_cpu.py --threads 2 --out benchmarks/results/kv-dtype-cpu/kv_dtype.json
     python benchmarks/kv_dtype_cpu.py --decode --contexts 1024 4000 7000 --reps 5 \
         --out benchmarks/results/kv-dtype-cpu/decode.json
+
+With --perplexity: the default target's teacher-forced perplexity over the first 2,047 tokens
+of two held-out texts (Genesis; GPL-3 from /usr/share/common-licenses, evaluation only) through
+the runtime in 64-token forwards, per KV dtype.
+
+    python benchmarks/kv_dtype_cpu.py --perplexity --out benchmarks/results/kv-dtype-cpu/perplexity.json
 """
 from __future__ import annotations
 
@@ -36,11 +42,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--decode", action="store_true",
                    help="end to end: target-only decode tokens/s on the default GGUF target")
+    p.add_argument("--perplexity", action="store_true",
+                   help="held-out perplexity of the default GGUF target per KV dtype")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results/kv-dtype-cpu/kv_dtype.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.decode:
+    if args.decode or args.perplexity:
         return decode(args)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -84,6 +92,8 @@ def decode(args) -> None:
     base = auto_plan(model)
     runtimes = {kv: TargetRuntime.prepare(model, dataclasses.replace(base, kv_dtype=kv))
                 for kv in KV_DTYPES}
+    if args.perplexity:
+        return perplexity(args, tok, runtimes, provenance)
     prompts = {n: torch.tensor([tok(kjv_passage(tok, n)).input_ids]) for n in args.contexts}
     for rt in runtimes.values():                                  # warm-up
         autoregressive_generate(rt, prompts[args.contexts[0]][:, :64], 8)
@@ -104,6 +114,37 @@ def decode(args) -> None:
     meta = {"threads": args.threads, "reps": args.reps, "new_tokens": args.new_tokens,
             "cpu": platform.processor() or platform.machine(), "isa": ext.cpu_isa(),
             "target": provenance, "mode": "decode"}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    tmp.write_text(json.dumps({"settings": meta, "results": rows}, indent=2) + "\n")
+    tmp.replace(out)
+
+
+def perplexity(args, tok, runtimes, provenance, tokens: int = 2048, chunk: int = 64) -> None:
+    import math
+
+    from sharpdraft.eval.bench import kjv_passage
+
+    texts = {"genesis": kjv_passage(tok, tokens),
+             "GPL-3": Path("/usr/share/common-licenses/GPL-3").read_text()[:6 * tokens]}
+    rows = []
+    for name, text in texts.items():
+        ids = torch.tensor([tok(text).input_ids[:tokens]])
+        for kv, rt in runtimes.items():
+            nll, n = 0.0, 0
+            with rt.session(ids.shape[1] + 8):
+                for s in range(0, ids.shape[1] - 1, chunk):
+                    logits = rt.forward(ids[:, s:s + chunk]).logits.float()
+                    target = ids[0, s + 1:s + 1 + chunk]
+                    logp = torch.log_softmax(logits[:len(target)], -1)
+                    nll -= float(logp[torch.arange(len(target)), target].sum())
+                    n += len(target)
+            rows.append({"text": name, "kv_dtype": kv, "tokens": n,
+                         "perplexity": round(math.exp(nll / n), 4)})
+            print(rows[-1], flush=True)
+    meta = {"threads": args.threads, "cpu": platform.processor() or platform.machine(),
+            "isa": ext.cpu_isa(), "target": provenance, "mode": "perplexity"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
