@@ -48,7 +48,9 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/kv-dtype-cpu/kv_dtype.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.decode or args.perplexity:
+    if args.perplexity:
+        return perplexity(args)
+    if args.decode:
         return decode(args)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -77,23 +79,28 @@ def main() -> None:
     tmp.replace(out)
 
 
-def decode(args) -> None:
+def target_runtimes():
+    """The default GGUF target's runtimes, one per KV dtype (the auto plan otherwise):
+    ({dtype name: runtime}, tokenizer, provenance)."""
     import dataclasses
 
-    from tqdm import tqdm
-
-    from sharpdraft.eval.bench import kjv_passage
-    from sharpdraft.inference.engine import autoregressive_generate
     from sharpdraft.target.loading import load_target
     from sharpdraft.target.plan import KV_DTYPES, auto_plan
     from sharpdraft.target.runtime import TargetRuntime
 
     model, tok, provenance = load_target(weights="gguf")
     base = auto_plan(model)
-    runtimes = {kv: TargetRuntime.prepare(model, dataclasses.replace(base, kv_dtype=kv))
-                for kv in KV_DTYPES}
-    if args.perplexity:
-        return perplexity(args, tok, runtimes, provenance)
+    return ({kv: TargetRuntime.prepare(model, dataclasses.replace(base, kv_dtype=kv))
+             for kv in KV_DTYPES}, tok, provenance)
+
+
+def decode(args) -> None:
+    from tqdm import tqdm
+
+    from sharpdraft.eval.bench import kjv_passage
+    from sharpdraft.inference.engine import autoregressive_generate
+
+    runtimes, tok, provenance = target_runtimes()
     prompts = {n: torch.tensor([tok(kjv_passage(tok, n)).input_ids]) for n in args.contexts}
     for rt in runtimes.values():                                  # warm-up
         autoregressive_generate(rt, prompts[args.contexts[0]][:, :64], 8)
@@ -121,11 +128,12 @@ def decode(args) -> None:
     tmp.replace(out)
 
 
-def perplexity(args, tok, runtimes, provenance, tokens: int = 2048, chunk: int = 64) -> None:
+def perplexity(args, tokens: int = 2048, chunk: int = 64) -> None:
     import math
 
     from sharpdraft.eval.bench import kjv_passage
 
+    runtimes, tok, provenance = target_runtimes()
     texts = {"genesis": kjv_passage(tok, tokens),
              "GPL-3": Path("/usr/share/common-licenses/GPL-3").read_text()[:6 * tokens]}
     rows = []

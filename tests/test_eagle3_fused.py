@@ -2,7 +2,8 @@
 of the drafter's own modules run on the same Q8_0 blocks (context rows, chain drafts, tree rows
 under a mask; every attention scaling), stays close to the float32 modules, is used only where
 it applies (the modules run under autograd, an `observe` callback or a DynamicCache; a context
-window with sinks is kept as the modules keep it), is rebuilt when the weights change, and decoding through it stays lossless."""
+window with sinks is kept as the modules keep it), is rebuilt when the weights change, and
+decoding through it stays lossless."""
 import pytest
 import torch
 

@@ -15,7 +15,7 @@ from gguf.quants import quantize
 import sharpdraft_ext as ext
 from sharpdraft import attention
 from sharpdraft.attention import SharpConfig
-from sharpdraft.target.plan import RuntimePlan, auto_kv_dtype, auto_plan
+from sharpdraft.target.plan import RuntimePlan, auto_plan
 from sharpdraft.target.quantized import QuantLinear
 from sharpdraft.target.runtime import TargetRuntime
 from sharpdraft_helpers import assert_greedy_lossless, tiny_eagle3, tiny_target
@@ -49,16 +49,25 @@ def runtime(model, kv, hidden=()):
 
 
 def test_the_plan_carries_the_kv_dtype_and_its_rule(targets, tmp_path, monkeypatch):
-    dense, quant = targets
+    """Unset, the auto plan keeps the model's dtype (the runtime's cache is float32 for a
+    float32 model); SHARPDRAFT_KV_DTYPE chooses another, which the cache then has; a bad value
+    names the variable; plan files carry the field, older ones without it load."""
+    quant = targets[1]
     monkeypatch.delenv("SHARPDRAFT_KV_DTYPE", raising=False)
-    for model in (quant, dense):                   # the rule: the model's dtype everywhere
-        for isa in ("avx512", "avx2", "base"):
-            assert auto_kv_dtype(model, isa=isa) is None
+    rt = TargetRuntime.prepare(quant)
+    assert rt.plan.kv_dtype is None and rt.info["kv_dtype"] is None
+    rt.start(8)
+    rt.forward(torch.tensor([[5, 6, 7]]))
+    assert rt.cache.layers[0].key_buffer.dtype == torch.float32
     monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", "bfloat16")
-    assert auto_kv_dtype(dense, isa="base") == "bfloat16"
+    rt = TargetRuntime.prepare(quant)
+    assert auto_plan(quant).kv_dtype == "bfloat16" == rt.info["kv_dtype"]
+    rt.start(8)
+    rt.forward(torch.tensor([[5, 6, 7]]))
+    assert rt.cache.layers[0].key_buffer.dtype == torch.bfloat16
     monkeypatch.setenv("SHARPDRAFT_KV_DTYPE", "int8")
     with pytest.raises(ValueError, match="SHARPDRAFT_KV_DTYPE"):
-        auto_kv_dtype(dense, isa="avx2")
+        auto_plan(quant)
     monkeypatch.delenv("SHARPDRAFT_KV_DTYPE")
     plan = RuntimePlan({}, True, kv_dtype="float16")
     path = plan.save(tmp_path / "p.json")
@@ -104,11 +113,11 @@ def test_a_16_bit_cache_holds_the_keys_rounded_and_rows_keep_their_bits(targets,
     one = half.forward(ids[:, 30:31]).hidden
     for i in (2, 4):
         assert torch.equal(many[i][:, :1], one[i]), i
-    if fused:          # the modules over the same 16-bit cache: the same bits for these rows
-        plain = TargetRuntime.prepare(model, dataclasses.replace(half.plan, fused=False))
-        plain.start(64)
-        assert torch.equal(plain.forward(ids[:, :30]).logits, outs["half"])
-        assert torch.equal(plain.cache.layers[3].keys, half.cache.layers[3].keys[:, :, :30])
+    # the modules over the same 16-bit cache: the same bits for these rows
+    plain = TargetRuntime.prepare(model, dataclasses.replace(half.plan, fused=False))
+    plain.start(64)
+    assert torch.equal(plain.forward(ids[:, :30]).logits, outs["half"])
+    assert torch.equal(plain.cache.layers[3].keys, half.cache.layers[3].keys[:, :, :30])
 
 
 @pytest.mark.parametrize("tree", [False, True])

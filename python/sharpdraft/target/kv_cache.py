@@ -122,7 +122,6 @@ class PreallocatedCache(Cache):
     def __init__(self, num_layers: int, capacity: int, dtype: Optional[torch.dtype] = None):
         super().__init__(layers=[PreallocatedLayer(capacity, dtype) for _ in range(num_layers)])
         self.capacity = int(capacity)
-        self.dtype = dtype
 
     def crop_to(self, length: int) -> None:
         """Drop every row past the first `length`."""

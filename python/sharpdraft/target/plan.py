@@ -260,19 +260,17 @@ def auto_path(out_features: int, in_features: int, dtype: torch.dtype, regime: i
     return "dense" if "dense" in allowed else next(p for p in LINEAR_PATHS if p in allowed)
 
 
-def auto_kv_dtype(model: nn.Module, *, isa: str) -> Optional[str]:
-    """The KV cache dtype `auto_plan` gives `model` on a CPU whose kernels dispatch to `isa`,
-    SHARPDRAFT_KV_DTYPE where set. A pure function of the setting, the ISA and the model.
+def auto_kv_dtype() -> Optional[str]:
+    """The KV cache dtype the "auto" and "measure" plans carry: SHARPDRAFT_KV_DTYPE where set,
+    else None (the model's own dtype), on every CPU.
 
-    The rule: None, the model's own dtype, on every CPU. A 16-bit cache is the setting's or a
+    Why none is 16-bit by default: A 16-bit cache is the setting's or a
     plan's choice, not the default's: on the default GGUF target it measured 1-7% faster end
     to end on an AVX-512 EPYC (the kernel alone 26-36% at 1-7k keys on a Xeon) and raised
     held-out perplexity by 0.3-0.7% (float16: Genesis 4.707 -> 4.741, GPL-3 19.65 -> 19.71 at
     2k tokens), because the kernel takes one dtype, so the queries and the attention's output
-    are rounded to 16 bits too (docs/runtime.md). `model` and `isa` are the rule's inputs for
-    when a kernel with float32 queries and output changes that.
+    are rounded to 16 bits too (docs/runtime.md).
     """
-    del model, isa
     chosen = settings.get("SHARPDRAFT_KV_DTYPE")
     return None if chosen == "auto" else chosen
 
@@ -304,14 +302,13 @@ def auto_plan(model: nn.Module, paths: Optional[Sequence[str]] = None, *,
             continue
         plan[key] = tuple(auto_path(*key, regime, isa=isa, onednn=_packable(mod.weight),
                                     paths=able) for regime in range(len(ROW_REGIMES)))
-    return RuntimePlan(plan, True, "auto", auto_kv_dtype(model, isa=isa))
+    return RuntimePlan(plan, True, "auto", auto_kv_dtype())
 
 
 def measured_plan(model: nn.Module, paths: Optional[Sequence[str]] = None) -> RuntimePlan:
     """The "measure" plan: every shape timed on this machine (`linears.plan_linears`; remembered
     per shape for the rest of the process) and `fused=True`."""
-    return RuntimePlan(plan_linears(model, paths=paths), True, "measure",
-                       auto_kv_dtype(model, isa=ext.cpu_isa()))
+    return RuntimePlan(plan_linears(model, paths=paths), True, "measure", auto_kv_dtype())
 
 
 PlanSpec = Union[str, Path, RuntimePlan]
@@ -331,8 +328,8 @@ def resolve_plan(plan: PlanSpec, model: nn.Module, *, measure: bool = True) -> R
     if plan == "auto":
         return auto_plan(model)
     if plan == "measure":
-        return measured_plan(model) if measure else RuntimePlan(
-            {}, True, "measure", auto_kv_dtype(model, isa=ext.cpu_isa()))
+        return measured_plan(model) if measure else RuntimePlan({}, True, "measure",
+                                                                auto_kv_dtype())
     if isinstance(plan, (str, Path)):
         return RuntimePlan.load(plan)
     raise TypeError(f"plan: want 'auto', 'measure', a plan file's path or a RuntimePlan, got "
