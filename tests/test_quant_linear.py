@@ -245,3 +245,39 @@ def test_each_instruction_set(isa):
         pytest.skip(f"this CPU has no {isa} quantised kernel (it runs {got})")
     assert int(width) == (16 if isa.startswith("avx512") else 8)
     assert float(worst) <= 1.0
+
+
+def write_outputs(path):
+    """This process's kernel on fixed GGUF weights and inputs (row counts across register
+    blocks), saved for test_every_instruction_set_gives_the_same_bits."""
+    out = {"isa": ql.quant_isa()}
+    for qtype in ql.QTYPES:
+        for n, k, rows in ((37, 64, 9), (40, 576, 17), (16, 96, 3)):
+            blocks, _ = gguf_blocks(n, k, qtype, seed=n + k)
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            out[(qtype, n, k, rows)] = ql.quant_linear(x, ql.quant_pack(blocks, qtype, n, k),
+                                                       qtype, n, bias)
+    torch.save(out, path)
+
+
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+    """The paths run the same float operations in the same order (quant_kernel.h), and their
+    integer sums are exact (VNNI's offset form of Q8_0 included): every path this CPU has gives
+    the scalar kernel's bits."""
+    got = {}
+    for cap in ("base", "avx2", "avx512", "avx512_vnni"):
+        path = tmp_path / f"{cap}.pt"
+        code = ("import sys; sys.path.insert(0, %r)\n"
+                "import test_quant_linear as t\nt.write_outputs(%r)\n"
+                % (str(Path(__file__).parent), str(path)))
+        subprocess.run([sys.executable, "-c", code], check=True,
+                       env=dict(os.environ, SHARPDRAFT_CPU_ISA=cap))
+        out = torch.load(path)
+        got[out.pop("isa")] = out
+    if len(got) < 2:
+        pytest.skip(f"this CPU runs only the {next(iter(got))} quantised kernel")
+    base = got.pop("base")
+    for isa, out in got.items():
+        for key, y in out.items():
+            assert torch.equal(y, base[key]), (isa, key)

@@ -17,7 +17,7 @@ namespace {
 typedef __m256i VI;
 typedef __m256 VF;
 constexpr int W = kQuantWidthAvx2;
-constexpr int MR = 4;  // 2 accumulators a row + 5 for weights and constants in 16 registers
+constexpr int MR = kQuantRowsAvx2;  // 2 accumulators a row + 5 for weights and constants in 16 registers
 
 inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const VI*>(p)); }
 inline VI bcast4(const int8_t* p) {
@@ -34,9 +34,11 @@ inline VI dot_u8s8(VI acc, VI a, VI b) {
 inline VI dot4_nibbles(VI acc, VI q, VI xb) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(q, xb)); }
 inline VI widen_nibble_sum(VI acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 // |w| (unsigned; 128 for -128) against x carrying w's sign (x is within -127..127)
+inline VI w8_operand(VI w) { return w; }
 inline VI dot_w8(VI acc, VI w, VI xb) {
   return dot_u8s8(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
 }
+inline VF w8_sum(VI acc, float) { return _mm256_cvtepi32_ps(acc); }
 inline void in_register(VI& v) { asm("" : "+x"(v)); }
 inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
 inline VF halfs(const uint8_t* p) {

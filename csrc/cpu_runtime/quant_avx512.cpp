@@ -1,7 +1,7 @@
 // The quantised panel kernel (quant_kernel.h) built twice for AVX-512: with VNNI (vpdpbusd: the
 // u8 x s8 4-way dot product into int32 in one instruction) and without it (maddubs + madd, as
-// AVX2 does, on 16 lanes). AVX-512 has no vpsignb: signed weights give x their sign by a masked
-// negation. Chosen at run time by quant_linear.cpp.
+// AVX2 does, on 16 lanes). AVX-512 has no vpsignb: Q8_0's signed weights give x their sign by a
+// masked negation without VNNI, and become unsigned by an offset of 128 with it. Chosen at run time by quant_linear.cpp.
 // GCC 12 reports its own _mm512_undefined_ps (used by _mm512_cvtph_ps / _mm512_cvtepi32_ps in
 // avx512fintrin.h) as maybe-uninitialized once inlined; the value is never read.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -18,7 +18,7 @@ namespace cpu {
   typedef __m512i VI;                                                                          \
   typedef __m512 VF;                                                                           \
   constexpr int W = kQuantWidthAvx512;                                                         \
-  constexpr int MR = 8;                                                                        \
+  constexpr int MR = kQuantRowsAvx512;                                                         \
   inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }                          \
   inline VI bcast4(const int8_t* p) {                                                          \
     int32_t v;                                                                                 \
@@ -28,10 +28,6 @@ namespace cpu {
   inline VI lo_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }             \
   inline VI hi_nibbles(VI v) {                                                                 \
     return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));                   \
-  }                                                                                            \
-  inline VI dot_w8(VI acc, VI w, VI xb) {                                                      \
-    const VI x = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb); \
-    return dot_u8s8(acc, _mm512_abs_epi8(w), x);                                               \
   }                                                                                            \
   inline void in_register(VI& v) { asm("" : "+v"(v)); }                                       \
   inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }                                   \
@@ -56,6 +52,13 @@ inline __m512i dot4_nibbles(__m512i acc, __m512i q, __m512i xb) {
   return _mm512_add_epi16(acc, _mm512_maddubs_epi16(q, xb));
 }
 inline __m512i widen_nibble_sum(__m512i acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+// |w| against x carrying w's sign (a masked negation: AVX-512 has no vpsignb)
+inline __m512i w8_operand(__m512i w) { return w; }
+inline __m512i dot_w8(__m512i acc, __m512i w, __m512i xb) {
+  const __m512i x = _mm512_mask_sub_epi8(xb, _mm512_movepi8_mask(w), _mm512_setzero_si512(), xb);
+  return dot_u8s8(acc, _mm512_abs_epi8(w), x);
+}
+inline __m512 w8_sum(__m512i acc, float) { return _mm512_cvtepi32_ps(acc); }
 SHARP_QUANT_AVX512_BODY
 #include "cpu_runtime/quant_kernel.h"
 }  // namespace
@@ -95,6 +98,13 @@ namespace {
 inline __m512i dot_u8s8(__m512i acc, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(acc, a, b); }
 inline __m512i dot4_nibbles(__m512i acc, __m512i q, __m512i xb) { return dot_u8s8(acc, q, xb); }
 inline __m512i widen_nibble_sum(__m512i acc) { return acc; }
+// vpdpbusd takes w unsigned: w + 128 (its sign bit flipped) against x sums to the block's sum
+// plus 128 * sum(x), taken off in float, exactly: both sums stay below 2^24 in magnitude
+inline __m512i w8_operand(__m512i w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
+inline __m512i dot_w8(__m512i acc, __m512i w, __m512i xb) { return dot_u8s8(acc, w, xb); }
+inline __m512 w8_sum(__m512i acc, float sx) {
+  return _mm512_fnmadd_ps(_mm512_set1_ps(128.f), _mm512_set1_ps(sx), _mm512_cvtepi32_ps(acc));
+}
 SHARP_QUANT_AVX512_BODY
 #include "cpu_runtime/quant_kernel.h"
 }  // namespace

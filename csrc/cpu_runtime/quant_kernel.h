@@ -11,44 +11,60 @@
 //   dot4_nibbles(acc, q, xb) a 4-bit block's running sum of q (0..15) * xb over 4-byte lanes, in
 //                           whatever form the ISA keeps it (int16 pairs under AVX2: 8 products
 //                           of 2 * 15 * 127 stay below 32767); widen_nibble_sum(acc) -> int32
-//   dot_w8(acc, w, xb)      acc (int32) + per lane sum over its 4 bytes of w * xb, both signed
+//   w8_operand(w)           an 8-bit weight vector in the form dot_w8 takes (once per vector,
+//                           shared by the register block's rows)
+//   dot_w8(acc, w, xb)      acc (int32) + per lane sum over its 4 bytes of w * xb, w as
+//                           w8_operand gives it; w8_sum(acc, sx) -> the block's exact float sum
+//                           (sx: the row's block sum of xb as a float, for an offset form of w)
 //   to_float, halfs(p), fsplat(s), fmul, fmadd(a, b, c) = a * b + c, fzero, fload, fstore
 // and in_register(v), an empty asm that pins a running sum to a register: without it GCC
 // reassociates a block's integer sums into a tree, computes every product first and spills
 // them (measured: 3x slower at 16 rows on AVX2).
 // Per row and block the float work is v = d * sum; v = m * sum(qx) + v; y = v * dx + y (4-bit)
 // or v = d * sum; y = v * dx + y (8-bit), the same on every path and for every row count.
+// The activations come in QuantTask's row-block layout for MR rows: one pointer walks a
+// register block's rows, each row's four-byte group at a fixed offset from it.
 
-// R rows (R <= MR) from row r0 of the task, all blocks of one panel.
+// Software prefetch of the panel's blocks (quant_prefetch_blocks(t)): from 8 rows the
+// products take about as long as reading the weights, and the hardware prefetcher alone leaves
+// the two one after the other (measured on a 2-core Zen 4, 1536 x 576 Q4_1 weights streamed
+// from memory: 8 rows 60 -> 53 us, 16 rows 130 -> 107 us; 4 rows unchanged, 1 and 2 rows
+// no better). The first row block fetches; the later ones find the panel in cache.
+constexpr int64_t kPrefetchRows = 8, kPrefetchBlocks = 8;
+inline bool quant_prefetch(const QuantTask& t, int64_t rb) { return rb == 0 && t.rows >= kPrefetchRows; }
+// The cache lines of the block kPrefetchBlocks ahead of p (Bytes: one packed block).
+template <int64_t Bytes>
+inline void prefetch_block(const uint8_t* p) {
+#pragma GCC unroll 16
+  for (int64_t o = 0; o < Bytes; o += 64) __builtin_prefetch(p + kPrefetchBlocks * Bytes + o);
+}
+
+// R rows (R <= MR) of row block rb of the task, all blocks of one panel.
 template <int R>
-void quant_block(const QuantTask& t, int64_t r0) {
+void quant_block(const QuantTask& t, int64_t rb) {
   const int64_t nb = t.k / kQuantBlock;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const int32_t* xs[R];
+  const bool prefetch = quant_prefetch(t, rb);
+  const int8_t* xq = t.qx + rb * nb * kQuantBlock * MR;  // block b, group g, row r: 4 bytes at
+  const float* xd = t.dx + rb * nb * MR;                 // xq + ((b * 8 + g) * MR + r) * 4
+  const float* xs = t.sx + rb * nb * MR;
   VF acc[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    xq[r] = t.qx + (r0 + r) * t.k;
-    xd[r] = t.dx + (r0 + r) * nb;
-    xs[r] = t.sx + (r0 + r) * nb;
-    acc[r] = t.bias ? fload(t.bias) : fzero();
-  }
+  for (int r = 0; r < R; ++r) acc[r] = t.bias ? fload(t.bias) : fzero();
   const uint8_t* p = t.panel;
   for (int64_t b = 0; b < nb; ++b) {
     VI sum[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sum[r] = VI{};
     if (t.four_bit) {
+      if (prefetch) prefetch_block<quant_block_bytes(true, W)>(p);
 #pragma GCC unroll 4
       for (int g = 0; g < 4; ++g) {
         const VI raw = vload(p + g * 4 * W);
         const VI lo = lo_nibbles(raw), hi = hi_nibbles(raw);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq[r] + b * kQuantBlock;
-          sum[r] = dot4_nibbles(sum[r], lo, bcast4(x + 4 * g));
-          sum[r] = dot4_nibbles(sum[r], hi, bcast4(x + 16 + 4 * g));
+          sum[r] = dot4_nibbles(sum[r], lo, bcast4(xq + (g * MR + r) * 4));
+          sum[r] = dot4_nibbles(sum[r], hi, bcast4(xq + ((4 + g) * MR + r) * 4));
           in_register(sum[r]);
         }
       }
@@ -56,28 +72,32 @@ void quant_block(const QuantTask& t, int64_t r0) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         VF v = fmul(d, to_float(widen_nibble_sum(sum[r])));
-        v = fmadd(m, fsplat(static_cast<float>(xs[r][b])), v);
-        acc[r] = fmadd(v, fsplat(xd[r][b]), acc[r]);
+        v = fmadd(m, fsplat(xs[r]), v);
+        acc[r] = fmadd(v, fsplat(xd[r]), acc[r]);
       }
       p += 20 * W;
     } else {
+      if (prefetch) prefetch_block<quant_block_bytes(false, W)>(p);
 #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
-        const VI w = vload(p + g * 4 * W);
+        const VI w = w8_operand(vload(p + g * 4 * W));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          sum[r] = dot_w8(sum[r], w, bcast4(xq[r] + b * kQuantBlock + 4 * g));
+          sum[r] = dot_w8(sum[r], w, bcast4(xq + (g * MR + r) * 4));
           in_register(sum[r]);
         }
       }
       const VF d = halfs(p + 32 * W);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = fmadd(fmul(d, to_float(sum[r])), fsplat(xd[r][b]), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = fmadd(fmul(d, w8_sum(sum[r], xs[r])), fsplat(xd[r]), acc[r]);
       p += 34 * W;
     }
+    xq += kQuantBlock * MR;
+    xd += MR;
+    xs += MR;
   }
   for (int r = 0; r < R; ++r) {
-    float* out = t.y + (r0 + r) * t.ldy;
+    float* out = t.y + (rb * MR + r) * t.ldy;
     if (t.cols == W) {
       fstore(out, acc[r]);
     } else {  // the last panel of a width that is not a multiple of W
@@ -89,17 +109,17 @@ void quant_block(const QuantTask& t, int64_t r0) {
 }
 
 template <int R>
-void quant_rows(int r, const QuantTask& t, int64_t r0) {
+void quant_rows(int r, const QuantTask& t, int64_t rb) {
   if (r == R) {
-    quant_block<R>(t, r0);
+    quant_block<R>(t, rb);
   } else if constexpr (R > 1) {
-    quant_rows<R - 1>(r, t, r0);
+    quant_rows<R - 1>(r, t, rb);
   }
 }
 
 inline void quant_panel(const QuantTask& t) {
-  for (int64_t r0 = 0; r0 < t.rows; r0 += MR) {
-    const int r = static_cast<int>(t.rows - r0 < MR ? t.rows - r0 : MR);
-    quant_rows<MR>(r, t, r0);
+  for (int64_t rb = 0; rb * MR < t.rows; ++rb) {
+    const int r = static_cast<int>(t.rows - rb * MR < MR ? t.rows - rb * MR : MR);
+    quant_rows<MR>(r, t, rb);
   }
 }

@@ -64,7 +64,7 @@ bool four_bit(QuantType t) { return t != QuantType::Q8_0; }
 struct QuantIsa {
   QuantFn fn;
   QuantizeFn quantize;
-  int64_t width;
+  int64_t width, rows;  // panel columns, rows per register block
   const char* name;
 };
 
@@ -77,12 +77,14 @@ const QuantIsa& quant_isa() {  // common/cpu_features.h's level; VNNI where pres
       const bool vnni = __builtin_cpu_supports("avx512vnni") &&
                         !(cap && std::strcmp(cap, "avx512") == 0);
       return vnni ? QuantIsa{quant_panel_avx512vnni, quantize_row_avx512, kQuantWidthAvx512,
-                             "avx512_vnni"}
+                             kQuantRowsAvx512, "avx512_vnni"}
                   : QuantIsa{quant_panel_avx512, quantize_row_avx512, kQuantWidthAvx512,
-                             "avx512"};
+                             kQuantRowsAvx512, "avx512"};
     }
-    if (level == 1) return QuantIsa{quant_panel_avx2, quantize_row_avx2, kQuantWidthAvx2, "avx2"};
-    return QuantIsa{quant_panel_base, quantize_row_base, kQuantWidthBase, "base"};
+    if (level == 1) {
+      return QuantIsa{quant_panel_avx2, quantize_row_avx2, kQuantWidthAvx2, kQuantRowsAvx2, "avx2"};
+    }
+    return QuantIsa{quant_panel_base, quantize_row_base, kQuantWidthBase, kQuantRowsBase, "base"};
   }();
   return chosen;
 }
@@ -210,7 +212,9 @@ void quantize_row_base(const float* x, int64_t k, int8_t* qx, float* dx, int32_t
   }
 }
 
-// The scalar kernel: the vector kernels' arithmetic, one column at a time.
+// The scalar kernel: the vector kernels' arithmetic, one column at a time, on row-major
+// activations (a register block of one row).
+static_assert(kQuantRowsBase == 1, "quant_panel_base reads the activations row-major");
 void quant_panel_base(const QuantTask& t) {
   constexpr int64_t w = kQuantWidthBase;
   const int64_t nb = t.k / kQuantBlock, bytes = quant_block_bytes(t.four_bit, w);
@@ -232,7 +236,7 @@ void quant_panel_base(const QuantTask& t) {
           }
           v = half_to_float(read_u16(blk + 16 * w + 2 * c)) * static_cast<float>(sum);
           v = std::fma(half_to_float(read_u16(blk + 18 * w + 2 * c)),
-                       static_cast<float>(t.sx[r * nb + b]), v);
+                       t.sx[r * nb + b], v);
         } else {
           for (int j = 0; j < kQuantBlock; ++j) {
             sum += static_cast<int8_t>(blk[(j / 4 * w + c) * 4 + j % 4]) * x[j];
@@ -252,11 +256,22 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
   const QuantIsa& isa = quant_isa();
   const int64_t w = isa.width, nb = k / kQuantBlock;
   const int64_t bytes = nb * quant_block_bytes(four_bit(t), w);
-  std::vector<int8_t> qx(rows * k);
-  std::vector<float> dx(rows * nb);
-  std::vector<int32_t> sx(rows * nb);
+  // QuantTask's row-block layout, the last block's missing rows zero
+  const int64_t mr = isa.rows, padded = (rows + mr - 1) / mr * mr;
+  std::vector<int8_t> qx(padded * k), qrow(k);
+  std::vector<float> dx(padded * nb), sx(padded * nb), drow(nb);
+  std::vector<int32_t> srow(nb);
   for (int64_t r = 0; r < rows; ++r) {
-    isa.quantize(x + r * ldx, k, qx.data() + r * k, dx.data() + r * nb, sx.data() + r * nb);
+    isa.quantize(x + r * ldx, k, qrow.data(), drow.data(), srow.data());
+    const int64_t rb = r / mr, rr = r % mr;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int g = 0; g < kQuantBlock / 4; ++g) {
+        memcpy(qx.data() + (((rb * nb + b) * 8 + g) * mr + rr) * 4,
+               qrow.data() + b * kQuantBlock + 4 * g, 4);
+      }
+      dx[(rb * nb + b) * mr + rr] = drow[b];
+      sx[(rb * nb + b) * mr + rr] = static_cast<float>(srow[b]);
+    }
   }
   run(panels(n, w), pf, [&](int64_t begin, int64_t end) {
     float bias_tail[kQuantWidthAvx512];  // the last panel's bias, zero padded

@@ -68,10 +68,15 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
                   const ParallelFor& pf);
 
 // --- internal: the ISA-specific panel kernels ---------------------------------------------
+// The activations in row blocks of the kernel's MR rows (quant_kernel_rows(); the last block
+// zero padded): for row block rb, input block b and row r < MR of the block,
+//   qx: the 8 four-byte groups of inputs 4g..4g+3 at qx + (((rb * nb + b) * 8 + g) * MR + r) * 4
+//   dx, sx: the block's scale and sum(qx) (exact in float) at [(rb * nb + b) * MR + r]
+// With MR = 1 this is the row-major (rows, k) layout.
 struct QuantTask {
-  const int8_t* qx;     // (rows, k) quantised activations
-  const float* dx;      // (rows, k / 32) their scales
-  const int32_t* sx;    // (rows, k / 32) their block sums
+  const int8_t* qx;     // quantised activations, row-block layout
+  const float* dx;      // their scales
+  const float* sx;      // their block sums
   int64_t rows, k;
   const uint8_t* panel; // this panel's packed blocks
   const float* bias;    // width floats (zero padded) or null
@@ -90,6 +95,8 @@ void quantize_row_base(const float* x, int64_t k, int8_t* qx, float* dx, int32_t
 void quantize_row_avx2(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
 void quantize_row_avx512(const float* x, int64_t k, int8_t* qx, float* dx, int32_t* sx);
 constexpr int kQuantWidthBase = 8, kQuantWidthAvx2 = 8, kQuantWidthAvx512 = 16;
+// Rows per register block (QuantTask's MR) of each kernel.
+constexpr int kQuantRowsBase = 1, kQuantRowsAvx2 = 4, kQuantRowsAvx512 = 8;
 
 // Bytes of one packed block of `width` columns.
 constexpr int64_t quant_block_bytes(bool four_bit, int64_t width) {
