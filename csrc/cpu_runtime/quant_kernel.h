@@ -22,8 +22,8 @@
 // them (measured: 3x slower at 16 rows on AVX2).
 // Per row and block the float work is v = d * sum; v = m * sum(qx) + v; y = v * dx + y (4-bit)
 // or v = d * sum; y = v * dx + y (8-bit), the same on every path and for every row count.
-// The activations come in QuantTask's row-block layout for MR rows: one pointer walks a
-// register block's rows, each row's four-byte group at a fixed offset from it.
+// The activations come in QuantTask's row-block layout: one pointer walks a register block's
+// rows, each row's four-byte group at a fixed offset from it.
 
 // Software prefetch of the panel's blocks (quant_prefetch_blocks(t)): from 8 rows the
 // products take about as long as reading the weights, and the hardware prefetcher alone leaves
@@ -44,9 +44,10 @@ template <int R>
 void quant_block(const QuantTask& t, int64_t rb) {
   const int64_t nb = t.k / kQuantBlock;
   const bool prefetch = quant_prefetch(t, rb);
-  const int8_t* xq = t.qx + rb * nb * kQuantBlock * MR;  // block b, group g, row r: 4 bytes at
-  const float* xd = t.dx + rb * nb * MR;                 // xq + ((b * 8 + g) * MR + r) * 4
-  const float* xs = t.sx + rb * nb * MR;
+  // the row blocks before this one are full: MR rows; this one has R (QuantTask's layout)
+  const int8_t* xq = t.qx + rb * MR * t.k;  // block b, group g, row r: 4 bytes at
+  const float* xd = t.dx + rb * MR * nb;    // xq + ((b * 8 + g) * R + r) * 4
+  const float* xs = t.sx + rb * MR * nb;
   VF acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = t.bias ? fload(t.bias) : fzero();
@@ -63,8 +64,8 @@ void quant_block(const QuantTask& t, int64_t rb) {
         const VI lo = lo_nibbles(raw), hi = hi_nibbles(raw);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          sum[r] = dot4_nibbles(sum[r], lo, bcast4(xq + (g * MR + r) * 4));
-          sum[r] = dot4_nibbles(sum[r], hi, bcast4(xq + ((4 + g) * MR + r) * 4));
+          sum[r] = dot4_nibbles(sum[r], lo, bcast4(xq + (g * R + r) * 4));
+          sum[r] = dot4_nibbles(sum[r], hi, bcast4(xq + ((4 + g) * R + r) * 4));
           in_register(sum[r]);
         }
       }
@@ -83,7 +84,7 @@ void quant_block(const QuantTask& t, int64_t rb) {
         const VI w = w8_operand(vload(p + g * 4 * W));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          sum[r] = dot_w8(sum[r], w, bcast4(xq + (g * MR + r) * 4));
+          sum[r] = dot_w8(sum[r], w, bcast4(xq + (g * R + r) * 4));
           in_register(sum[r]);
         }
       }
@@ -92,9 +93,9 @@ void quant_block(const QuantTask& t, int64_t rb) {
       for (int r = 0; r < R; ++r) acc[r] = fmadd(fmul(d, w8_sum(sum[r], xs[r])), fsplat(xd[r]), acc[r]);
       p += 34 * W;
     }
-    xq += kQuantBlock * MR;
-    xd += MR;
-    xs += MR;
+    xq += kQuantBlock * R;
+    xd += R;
+    xs += R;
   }
   for (int r = 0; r < R; ++r) {
     float* out = t.y + (rb * MR + r) * t.ldy;

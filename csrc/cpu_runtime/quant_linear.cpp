@@ -3,6 +3,7 @@
 // (quant_linear.h). Torch-free.
 #include "cpu_runtime/quant_linear.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -256,21 +257,21 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
   const QuantIsa& isa = quant_isa();
   const int64_t w = isa.width, nb = k / kQuantBlock;
   const int64_t bytes = nb * quant_block_bytes(four_bit(t), w);
-  // QuantTask's row-block layout, the last block's missing rows zero
-  const int64_t mr = isa.rows, padded = (rows + mr - 1) / mr * mr;
-  std::vector<int8_t> qx(padded * k), qrow(k);
-  std::vector<float> dx(padded * nb), sx(padded * nb), drow(nb);
+  // QuantTask's row-block layout
+  const int64_t mr = isa.rows;
+  std::vector<int8_t> qx(rows * k), qrow(k);
+  std::vector<float> dx(rows * nb), sx(rows * nb), drow(nb);
   std::vector<int32_t> srow(nb);
   for (int64_t r = 0; r < rows; ++r) {
     isa.quantize(x + r * ldx, k, qrow.data(), drow.data(), srow.data());
-    const int64_t rb = r / mr, rr = r % mr;
+    const int64_t first = r / mr * mr, block_rows = std::min(mr, rows - first), rr = r - first;
     for (int64_t b = 0; b < nb; ++b) {
       for (int g = 0; g < kQuantBlock / 4; ++g) {
-        memcpy(qx.data() + (((rb * nb + b) * 8 + g) * mr + rr) * 4,
+        memcpy(qx.data() + first * k + ((b * 8 + g) * block_rows + rr) * 4,
                qrow.data() + b * kQuantBlock + 4 * g, 4);
       }
-      dx[(rb * nb + b) * mr + rr] = drow[b];
-      sx[(rb * nb + b) * mr + rr] = static_cast<float>(srow[b]);
+      dx[first * nb + b * block_rows + rr] = drow[b];
+      sx[first * nb + b * block_rows + rr] = static_cast<float>(srow[b]);
     }
   }
   run(panels(n, w), pf, [&](int64_t begin, int64_t end) {

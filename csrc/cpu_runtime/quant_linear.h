@@ -68,11 +68,11 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
                   const ParallelFor& pf);
 
 // --- internal: the ISA-specific panel kernels ---------------------------------------------
-// The activations in row blocks of the kernel's MR rows (quant_kernel_rows(); the last block
-// zero padded): for row block rb, input block b and row r < MR of the block,
-//   qx: the 8 four-byte groups of inputs 4g..4g+3 at qx + (((rb * nb + b) * 8 + g) * MR + r) * 4
-//   dx, sx: the block's scale and sum(qx) (exact in float) at [(rb * nb + b) * MR + r]
-// With MR = 1 this is the row-major (rows, k) layout.
+// The activations in row blocks of the kernel's MR rows (kQuantRows*; the last block has the
+// R = rows - rb * MR <= MR rows left): for row block rb of R rows, input block b and row r < R,
+//   qx: the 8 four-byte groups (inputs 4g..4g+3) at qx + rb * MR * k + ((b * 8 + g) * R + r) * 4
+//   dx, sx: the block's scale and sum(qx) (exact in float) at [rb * MR * nb + b * R + r]
+// A block of one row (MR = 1, or one row left) is the row-major layout.
 struct QuantTask {
   const int8_t* qx;     // quantised activations, row-block layout
   const float* dx;      // their scales
