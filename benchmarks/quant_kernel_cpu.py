@@ -76,7 +76,8 @@ def main():
     for (n, k) in shapes:
         for qtype in args.qtypes:
             packs = packed_weights(qtype, n, k, args.weights)
-            xs = {r: torch.randn(r, k, generator=torch.Generator().manual_seed(r)) for r in args.rows}
+            xs = {r: torch.randn(r, k, generator=torch.Generator().manual_seed(r))
+                  for r in args.rows}
             times = {(r, m): [] for r in args.rows for m in ("streamed", "cache", "floor")}
             for _ in tqdm(range(args.repeats), desc=f"{qtype} {n}x{k}", leave=False):
                 for r in args.rows:

@@ -17,7 +17,8 @@ namespace {
 typedef __m256i VI;
 typedef __m256 VF;
 constexpr int W = kQuantWidthAvx2;
-constexpr int MR = kQuantRowsAvx2;  // 2 accumulators a row + 5 for weights and constants in 16 registers
+// 2 accumulators a row + 5 for weights and constants in 16 registers
+constexpr int MR = kQuantRowsAvx2;
 
 inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const VI*>(p)); }
 inline VI bcast4(const int8_t* p) {

@@ -1,7 +1,8 @@
 // The quantised panel kernel (quant_kernel.h) built twice for AVX-512: with VNNI (vpdpbusd: the
 // u8 x s8 4-way dot product into int32 in one instruction) and without it (maddubs + madd, as
 // AVX2 does, on 16 lanes). AVX-512 has no vpsignb: Q8_0's signed weights give x their sign by a
-// masked negation without VNNI, and become unsigned by an offset of 128 with it. Chosen at run time by quant_linear.cpp.
+// masked negation without VNNI, and become unsigned by an offset of 128 with it. Chosen at run
+// time by quant_linear.cpp.
 // GCC 12 reports its own _mm512_undefined_ps (used by _mm512_cvtph_ps / _mm512_cvtepi32_ps in
 // avx512fintrin.h) as maybe-uninitialized once inlined; the value is never read.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

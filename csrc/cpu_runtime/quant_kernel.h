@@ -25,13 +25,15 @@
 // The activations come in QuantTask's row-block layout: one pointer walks a register block's
 // rows, each row's four-byte group at a fixed offset from it.
 
-// Software prefetch of the panel's blocks (quant_prefetch_blocks(t)): from 8 rows the
-// products take about as long as reading the weights, and the hardware prefetcher alone leaves
-// the two one after the other (measured on a 2-core Zen 4, 1536 x 576 Q4_1 weights streamed
-// from memory: 8 rows 60 -> 53 us, 16 rows 130 -> 107 us; 4 rows unchanged, 1 and 2 rows
-// no better). The first row block fetches; the later ones find the panel in cache.
+// Software prefetch of the panel's blocks (quant_prefetch): from 8 rows the products take
+// about as long as reading the weights, and the hardware prefetcher alone leaves the two one
+// after the other (measured on a Zen 4, one thread, 1536 x 576 Q4_1 weights streamed from
+// memory: 8 rows 60 -> 53 us, 16 rows 130 -> 107 us; 4 rows unchanged, 1 and 2 rows no
+// better). The first row block fetches; the later ones find the panel in cache.
 constexpr int64_t kPrefetchRows = 8, kPrefetchBlocks = 8;
-inline bool quant_prefetch(const QuantTask& t, int64_t rb) { return rb == 0 && t.rows >= kPrefetchRows; }
+inline bool quant_prefetch(const QuantTask& t, int64_t rb) {
+  return rb == 0 && t.rows >= kPrefetchRows;
+}
 // The cache lines of the block kPrefetchBlocks ahead of p (Bytes: one packed block).
 template <int64_t Bytes>
 inline void prefetch_block(const uint8_t* p) {
@@ -90,7 +92,9 @@ void quant_block(const QuantTask& t, int64_t rb) {
       }
       const VF d = halfs(p + 32 * W);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r] = fmadd(fmul(d, w8_sum(sum[r], xs[r])), fsplat(xd[r]), acc[r]);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = fmadd(fmul(d, w8_sum(sum[r], xs[r])), fsplat(xd[r]), acc[r]);
+      }
       p += 34 * W;
     }
     xq += kQuantBlock * R;
