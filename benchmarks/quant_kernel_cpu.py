@@ -27,16 +27,14 @@ from tqdm import tqdm
 from sharpdraft.eval.report import figure, write_report
 from sharpdraft_ext import cpu_runtime
 
-GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1,
-        "q8_0": GGMLQuantizationType.Q8_0}
-
 
 def packed_weights(qtype, n, k, count, seed=0):
     rng = np.random.default_rng(seed)
+    kind = GGMLQuantizationType[qtype.upper()]
     out = []
     for _ in range(count):
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
-        blocks = torch.from_numpy(np.ascontiguousarray(gguf_quants.quantize(w, GGML[qtype])))
+        blocks = torch.from_numpy(np.ascontiguousarray(gguf_quants.quantize(w, kind)))
         out.append(cpu_runtime.quant_pack(blocks, qtype, n, k))
     return out
 
@@ -52,7 +50,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1536x576", "576x1536"],
                    help="n x k (out x in features); the default target's MLP shapes")
-    p.add_argument("--qtypes", nargs="+", default=["q4_1", "q8_0"], choices=sorted(GGML))
+    p.add_argument("--qtypes", nargs="+", default=["q4_1", "q8_0"], choices=cpu_runtime.QTYPES)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--weights", type=int, default=60)
     p.add_argument("--repeats", type=int, default=9)

@@ -257,18 +257,13 @@ void quant_linear(QuantType t, const float* x, int64_t rows, int64_t ldx, const 
   const QuantIsa& isa = quant_isa();
   const int64_t w = isa.width, nb = k / kQuantBlock;
   const int64_t bytes = nb * quant_block_bytes(four_bit(t), w);
-  // QuantTask's row-block layout; a block of one row is row-major, quantised in place
+  // QuantTask's row-block layout (a block of one row is row-major)
   const int64_t mr = isa.rows;
-  std::vector<int8_t> qx(rows * k), qrow(rows > 1 ? k : 0);
-  std::vector<float> dx(rows * nb), sx(rows * nb), drow(rows > 1 ? nb : 0);
+  std::vector<int8_t> qx(rows * k), qrow(k);
+  std::vector<float> dx(rows * nb), sx(rows * nb), drow(nb);
   std::vector<int32_t> srow(nb);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t first = r / mr * mr, block_rows = std::min(mr, rows - first), rr = r - first;
-    if (block_rows == 1) {
-      isa.quantize(x + r * ldx, k, qx.data() + r * k, dx.data() + r * nb, srow.data());
-      for (int64_t b = 0; b < nb; ++b) sx[r * nb + b] = static_cast<float>(srow[b]);
-      continue;
-    }
     isa.quantize(x + r * ldx, k, qrow.data(), drow.data(), srow.data());
     for (int64_t b = 0; b < nb; ++b) {
       for (int g = 0; g < kQuantBlock / 4; ++g) {
